@@ -1,0 +1,275 @@
+"""Exact, compressed, leaderless averaging over hivemind's butterfly all-reduce.
+
+hivemind 1.1.12 has three behaviours we cannot accept (DESIGN.md §6), fixed here by subclassing small
+pieces of it rather than copying it:
+
+1. *Peers get different averages.* A reducer sends each sender ``average - sender's part`` and keeps the
+   exact average for itself; senders add the delta. With a lossy codec the peers' results differ, and even
+   in fp32 the last bit differs. Here each reducer encodes the average of its part **once**, sends those
+   same bytes to every sender, decodes the same bytes for itself, and every peer *replaces* its part with
+   the decoded result. Same bytes in, same bytes out: invariant 1.
+2. *A partial all-reduce reports success.* When a reducer dies, hivemind fills its part with the peer's
+   own value and logs a warning. Here any lost part makes the round fail, loudly, as a returned value.
+3. *The 8-bit codec crashes under numpy 2* and the failure is swallowed. Our codecs
+   (``compression.py``) are registered in hivemind's codec registry for the wire types they use.
+
+This module does not decide *when* to average or what to do with the result: that is the learner's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import multiprocessing as mp
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
+from hivemind.compression import serialization as hivemind_serialization
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.mpfuture import MPFuture
+
+from p2p_diloco.compression import Codec, make_codec
+from p2p_diloco.link import AveragingOutcome
+
+logger = logging.getLogger(__name__)
+
+_WIRE_TYPES = {
+    "none": runtime_pb2.CompressionType.NONE,
+    "fp16": runtime_pb2.CompressionType.FLOAT16,
+    "int8": runtime_pb2.CompressionType.BLOCKWISE_8BIT,
+}
+
+
+class WireCodec(CompressionBase):
+    """Adapts a p2p_diloco codec to hivemind's three-method CompressionBase (fp32 tensors only)."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.compression_type = _WIRE_TYPES[codec.name]
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=self.codec.encode(tensor.detach().reshape(-1)),
+            size=tensor.shape,
+            dtype="float32",
+            requires_grad=False,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = torch.Size(serialized_tensor.size)
+        return self.codec.decode(serialized_tensor.buffer, shape.numel()).reshape(shape)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self.codec.bytes_per_value() / 4.0
+
+
+def install_wire_codecs() -> None:
+    """Make hivemind decode fp16 and 8-bit parts with our codecs, in this process and its forks.
+
+    Receivers decode through hivemind's global registry, keyed by the wire type in each message, so this
+    must run in every peer process before its averager starts (the averager is a forked child).
+    """
+    for name in ("fp16", "int8"):
+        wire_type = runtime_pb2.CompressionType.Name(_WIRE_TYPES[name])
+        hivemind_serialization._BASE_COMPRESSION_TYPES[wire_type] = WireCodec(make_codec(name))
+
+
+class TrafficCounters:
+    """Bytes of averaging messages sent and received, shared between the averager process and its parent."""
+
+    def __init__(self) -> None:
+        self._sent = mp.Value(ctypes.c_double, 0.0)
+        self._received = mp.Value(ctypes.c_double, 0.0)
+
+    def add_sent(self, num_bytes: int) -> None:
+        with self._sent.get_lock():
+            self._sent.value += num_bytes
+
+    def add_received(self, num_bytes: int) -> None:
+        with self._received.get_lock():
+            self._received.value += num_bytes
+
+    def totals(self) -> tuple[int, int]:
+        return int(self._sent.value), int(self._received.value)
+
+
+async def _metered(messages: AsyncIterator[Any], count: Callable[[int], None]) -> AsyncIterator[Any]:
+    async for message in messages:
+        count(message.ByteSize())
+        yield message
+
+
+class _MeteredStub:
+    """Wraps an averager stub so that the sender side of an all-reduce counts its bytes."""
+
+    def __init__(self, stub: Any, traffic: TrafficCounters):
+        self._stub, self._traffic = stub, traffic
+
+    async def rpc_aggregate_part(self, requests: AsyncIterator[averaging_pb2.AveragingData]) -> AsyncIterator[Any]:
+        stream = await self._stub.rpc_aggregate_part(_metered(requests, self._traffic.add_sent))
+        return _metered(stream, self._traffic.add_received)
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """Butterfly all-reduce whose result is bit-identical on every peer of the group.
+
+    Outputs are *averages* (not deltas): the averager replaces its tensors with them.
+    ``lost_values`` > 0 after the run means some reducer's part never arrived: the round is partial.
+    """
+
+    def __init__(self, *, wire_codec: WireCodec, traffic: TrafficCounters, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._wire_codec, self._traffic = wire_codec, traffic
+        self._encoded_results: dict[int, asyncio.Future] = {}
+
+    @property
+    def lost_values(self) -> int:
+        return self.tensor_part_container.failed_size
+
+    def _get_peer_stub(self, peer: PeerID) -> Any:
+        return _MeteredStub(super()._get_peer_stub(peer), self._traffic)
+
+    def _encode_result(self, part_index: int, averaged_part: torch.Tensor) -> asyncio.Future:
+        """Encode each averaged part once; every sender, this peer included, receives these bytes."""
+        if part_index not in self._encoded_results:
+            info = CompressionInfo.from_tensor(averaged_part)
+            self._encoded_results[part_index] = asyncio.get_event_loop().run_in_executor(
+                None, self._wire_codec.compress, averaged_part, info
+            )
+        return self._encoded_results[part_index]
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)  # remote results arrive already encoded once
+        # our own part: reduce it like any other, and take the same decoded bytes the senders get
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged_part = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            encoded = await self._encode_result(part_index, averaged_part)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, self._wire_codec.extract(encoded))
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: Any):
+        async for message in super().rpc_aggregate_part(_metered(stream, self._traffic.add_received), context):
+            self._traffic.add_sent(message.ByteSize())
+            yield message
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
+        loop = asyncio.get_event_loop()
+        part_index = 0
+        try:
+            async for message in stream:
+                tensor_part = await loop.run_in_executor(None, deserialize_torch_tensor, message.tensor_part)
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=message.weight
+                    )
+                except BannedException:
+                    break  # that sender was dropped in the background; it gets no more results
+                encoded = await self._encode_result(part_index, averaged_part)
+                part_index += 1
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class PartialRoundError(AllreduceException):
+    """Some parts of the average never arrived; the tensors were left untouched."""
+
+
+async def _keep_group_key(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+class DilocoAverager(DecentralizedAverager):
+    """hivemind's averager with exact results, partial-round detection, byte counters and our state.
+
+    ``state_provider()`` returns ``(metadata, tensors)`` served to peers that download the state.
+    """
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht: Any,
+        *,
+        wire_codec: WireCodec,
+        state_provider: Callable[[], tuple[dict, Sequence[torch.Tensor]]],
+        **kwargs: Any,
+    ):
+        install_wire_codecs()
+        self.wire_codec, self.traffic, self._state_provider = wire_codec, TrafficCounters(), state_provider
+        super().__init__(averaged_tensors, dht, compression=wire_codec, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, group_id=None, **kwargs):
+        # hivemind adds deltas as they arrive; we collect exact averages and write them only if none is missing
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            wire_codec=self.wire_codec,
+            traffic=self.traffic,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        results = [result async for result in runner]
+        if runner.lost_values:
+            raise PartialRoundError(f"partial all-reduce: {runner.lost_values} of {runner.tensor_part_container.total_size} values lost")
+        for tensor, result in zip(tensors, results, strict=True):
+            tensor.copy_(result)
+
+    async def _set_group_bits(self, group_bits: str, future: MPFuture) -> None:
+        # hivemind re-shuffles the group key after every assembled group (for gossip averaging); our key is
+        # the outer step and must stay fixed while a round is retried, so the re-shuffle is switched off.
+        self._matchmaking.group_key_manager.update_key_on_group_assembled = _keep_group_key
+        await super()._set_group_bits(group_bits, future)
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+
+def outer_step_key(outer_step: int) -> str:
+    """Group-key bits for an outer step: only peers at the same outer step can be matched together."""
+    return format(outer_step, "b")
+
+
+def run_averaging(
+    averager: DilocoAverager, tensors: Sequence[torch.Tensor], weight: float, outer_step: int, timeout_s: float
+) -> AveragingOutcome:
+    """Average ``tensors`` with the peers of ``outer_step``; never raises for network failures."""
+    with averager.get_tensors() as buffers:
+        for buffer, tensor in zip(buffers, tensors, strict=True):
+            buffer.copy_(tensor)
+    averager.set_group_bits(outer_step_key(outer_step))
+    try:
+        gathered = averager.step(
+            gather=dict(outer_step=outer_step, weight=weight), weight=weight, timeout=timeout_s, allow_retries=True
+        )
+    except Exception as e:  # hivemind raises a zoo of types for a failed round; all mean "no average"
+        text = f"{type(e).__name__}: {e}"
+        status = "partial" if "partial all-reduce" in text else "no_group" if "group" in text else "error"
+        return AveragingOutcome(None, (), 0.0, status, text[:300])
+    if not gathered:
+        return AveragingOutcome(None, (), 0.0, "no_group", "averager returned no group")
+    steps = {info.get("outer_step") for info in gathered.values() if isinstance(info, dict)}
+    if steps != {outer_step}:
+        return AveragingOutcome(None, (), 0.0, "error", f"group mixed outer steps {sorted(map(str, steps))}")
+    with averager.get_tensors() as buffers:
+        averaged = [buffer.clone() for buffer in buffers]
+    weight_total = float(sum(info.get("weight", 0.0) for info in gathered.values()))
+    return AveragingOutcome(averaged, tuple(str(p) for p in gathered), weight_total, "ok")

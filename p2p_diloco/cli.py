@@ -1,0 +1,196 @@
+"""Command line: ``p2p-diloco peer`` (one learner island) and ``p2p-diloco swarm`` (a local swarm).
+
+Precedence: defaults -> ``--config`` TOML file -> flags. Bad input ends with one line on stderr and a
+non-zero exit, never a traceback. Everything the peer prints a person reads is printed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from p2p_diloco.config import COMPRESSIONS, PeerConfig, build_config, load_toml
+
+# flag -> (section, field)
+_FLAG_FIELDS = {
+    "run_id": ("swarm", "run_id"),
+    "initial_peers": ("swarm", "initial_peers"),
+    "host_maddrs": ("swarm", "host_maddrs"),
+    "announce_maddrs": ("swarm", "announce_maddrs"),
+    "identity": ("swarm", "identity_path"),
+    "compression": ("swarm", "compression"),
+    "matchmaking_time_s": ("swarm", "matchmaking_time_s"),
+    "averaging_timeout_s": ("swarm", "averaging_timeout_s"),
+    "chunk_timeout_s": ("swarm", "chunk_timeout_s"),
+    "state_timeout_s": ("swarm", "state_timeout_s"),
+    "inner_steps": ("inner", "inner_steps"),
+    "batch_size": ("inner", "batch_size"),
+    "inner_lr": ("inner", "lr"),
+    "outer_lr": ("outer", "lr"),
+    "outer_momentum": ("outer", "momentum"),
+    "seq_len": ("model", "seq_len"),
+    "n_layers": ("model", "n_layers"),
+    "d_model": ("model", "d_model"),
+    "n_heads": ("model", "n_heads"),
+    "corpus_dir": ("data", "corpus_dir"),
+    "shard_index": ("data", "shard_index"),
+    "num_shards": ("data", "num_shards"),
+    "max_outer_steps": ("run", "max_outer_steps"),
+    "max_time_s": ("run", "max_time_s"),
+    "metrics_file": ("run", "metrics_file"),
+    "checkpoint_dir": ("run", "checkpoint_dir"),
+    "checkpoint_every": ("run", "checkpoint_every"),
+    "eval_every": ("run", "eval_every"),
+    "seed": ("run", "seed"),
+    "threads": ("run", "threads"),
+}
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse prints the whole usage; a person needs the reason
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_peer_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of one learner island (also accepted by the local swarm launcher, passed to every peer)."""
+    d = PeerConfig()
+    s = argparse.SUPPRESS
+    swarm = parser.add_argument_group("swarm")
+    swarm.add_argument("--run-id", default=s, help=f"name of the training run; peers with the same id train together (default {d.swarm.run_id})")
+    swarm.add_argument("--initial-peers", nargs="+", default=s, metavar="MULTIADDR", help="multiaddrs of peers already in the swarm; omit to start a new swarm and print the address others should use")
+    swarm.add_argument("--host-maddrs", nargs="+", default=s, metavar="MULTIADDR", help="where to listen (default /ip4/0.0.0.0/tcp/0: all interfaces, any free port)")
+    swarm.add_argument("--announce-maddrs", nargs="+", default=s, metavar="MULTIADDR", help="addresses to advertise to other peers, e.g. your public IP and port")
+    swarm.add_argument("--identity", default=s, metavar="PATH", help="private key file that makes the peer id stable across restarts (created if missing)")
+    swarm.add_argument("--compression", choices=COMPRESSIONS, default=s, help=f"outer gradient codec on the wire: none (fp32, 4 B/value), fp16 (2 B/value), int8 (blockwise 8-bit, ~1 B/value) (default {d.swarm.compression})")
+    swarm.add_argument("--matchmaking-time-s", type=float, default=s, help=f"seconds a ready peer waits for others to join its averaging group (default {d.swarm.matchmaking_time_s})")
+    swarm.add_argument("--averaging-timeout-s", type=float, default=s, help=f"seconds after which a round's averaging is abandoned (default {d.swarm.averaging_timeout_s})")
+    swarm.add_argument("--chunk-timeout-s", type=float, default=s, help=f"seconds of silence after which a groupmate is dropped from an all-reduce (default {d.swarm.chunk_timeout_s})")
+    swarm.add_argument("--state-timeout-s", type=float, default=s, help=f"seconds allowed for downloading the swarm's state (default {d.swarm.state_timeout_s})")
+    train = parser.add_argument_group("training")
+    train.add_argument("--inner-steps", type=int, default=s, metavar="H", help=f"inner AdamW steps per outer round (default {d.inner.inner_steps})")
+    train.add_argument("--batch-size", type=int, default=s, help=f"sequences per inner step (default {d.inner.batch_size})")
+    train.add_argument("--seq-len", type=int, default=s, help=f"tokens (bytes) per sequence (default {d.model.seq_len})")
+    train.add_argument("--inner-lr", type=float, default=s, help=f"AdamW learning rate (default {d.inner.lr})")
+    train.add_argument("--outer-lr", type=float, default=s, help=f"outer Nesterov SGD learning rate (default {d.outer.lr})")
+    train.add_argument("--outer-momentum", type=float, default=s, help=f"outer Nesterov momentum, 0 for plain SGD (default {d.outer.momentum})")
+    train.add_argument("--n-layers", type=int, default=s, help=f"transformer blocks of the built-in model (default {d.model.n_layers})")
+    train.add_argument("--d-model", type=int, default=s, help=f"width of the built-in model (default {d.model.d_model})")
+    train.add_argument("--n-heads", type=int, default=s, help=f"attention heads of the built-in model (default {d.model.n_heads})")
+    train.add_argument("--corpus-dir", default=s, metavar="PATH", help="folder of text files to train on (default: the Python standard library's sources)")
+    train.add_argument("--shard-index", type=int, default=s, help="which shard of the training data this peer reads (default 0)")
+    train.add_argument("--num-shards", type=int, default=s, help="into how many shards the training data is split (default 1)")
+    train.add_argument("--seed", type=int, default=s, help="model init seed, the same on every peer of a run (default 0)")
+    run = parser.add_argument_group("run")
+    run.add_argument("--max-outer-steps", type=int, default=s, help="stop after this many outer steps (default 0: no limit)")
+    run.add_argument("--max-time-s", type=float, default=s, help="stop after this many seconds of wall time (default 0: no limit)")
+    run.add_argument("--metrics-file", default=s, metavar="PATH", help="write one JSON record per outer step to this file")
+    run.add_argument("--checkpoint-dir", default=s, metavar="PATH", help="write atomic checkpoints to this folder")
+    run.add_argument("--checkpoint-every", type=int, default=s, help=f"outer steps between checkpoints (default {d.run.checkpoint_every})")
+    run.add_argument("--eval-every", type=int, default=s, help=f"outer steps between held-out evaluations (default {d.run.eval_every})")
+    run.add_argument("--threads", type=int, default=s, help=f"torch CPU threads for this peer (default {d.run.threads})")
+
+
+def resolve_config(args: argparse.Namespace) -> PeerConfig:
+    """defaults -> TOML file -> flags; raises ValueError with a one-line reason."""
+    from p2p_diloco.swarm import check_multiaddr
+
+    overrides: dict[str, dict[str, Any]] = load_toml(args.config) if getattr(args, "config", None) else {}
+    overrides = {section: dict(values) for section, values in overrides.items()}
+    for flag, (section, field) in _FLAG_FIELDS.items():
+        if flag in vars(args):
+            value = getattr(args, flag)
+            overrides.setdefault(section, {})[field] = tuple(value) if isinstance(value, list) else value
+    config = build_config(overrides)
+    for address in config.swarm.initial_peers:
+        check_multiaddr(address, need_peer_id=True)
+    for address in config.swarm.host_maddrs + config.swarm.announce_maddrs:
+        check_multiaddr(address, need_peer_id=False)
+    return config
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    hivemind_level = logging.WARNING if level != "DEBUG" else logging.DEBUG
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")  # route hivemind's records through the root handler above
+    logging.getLogger("hivemind").setLevel(hivemind_level)
+
+
+def peer_main(argv: list[str] | None = None, prog: str = "p2p-diloco peer") -> int:
+    parser = _OneLineParser(prog=prog, description="Run one p2p-diloco learner island.")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with [model] [data] [inner] [outer] [swarm] [run] sections; flags override it")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log verbosity on stderr (default INFO)")
+    add_peer_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = resolve_config(args)
+    except ValueError as e:
+        return _fail(prog, str(e))
+    _configure_logging(args.log_level)
+    return _run_peer(config, prog)
+
+
+def _fail(prog: str, message: str, code: int = 2) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _run_peer(config: PeerConfig, prog: str) -> int:
+    import torch
+
+    from p2p_diloco.data import Dataset
+    from p2p_diloco.learner import Learner
+    from p2p_diloco.metrics import open_sink
+    from p2p_diloco.model import count_parameters
+    from p2p_diloco.swarm import SwarmLink, SwarmStartError
+
+    log = logging.getLogger("p2p_diloco.peer")
+    torch.set_num_threads(config.run.threads)
+    try:
+        dataset = Dataset(config.data, config.model.seq_len, config.inner.batch_size, config.run.seed)
+        metrics = open_sink(config.run.metrics_file)
+    except (ValueError, OSError) as e:
+        return _fail(prog, str(e))
+    stop = threading.Event()
+    learner = Learner(config, dataset, metrics, stop)
+    log.info("resolved config: %s", json.dumps(config.to_dict(), sort_keys=True))
+    try:
+        link = SwarmLink(config.swarm, learner.global_params, learner.state_for_peers)
+    except SwarmStartError as e:
+        metrics.close()
+        return _fail(prog, f"could not join the swarm: {e}", code=1)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        addresses = " ".join(a for a in link.visible_maddrs() if "/127." not in a) or " ".join(link.visible_maddrs())
+        print(f"peer {link.peer_id} in run '{config.swarm.run_id}': {count_parameters(learner.model):,} parameters, "
+              f"{dataset.total_bytes / 1e6:.1f} MB corpus", flush=True)
+        print(f"others can join with: --initial-peers {addresses.split()[0] if addresses else '?'}", flush=True)
+        print(f"all addresses: {' '.join(link.visible_maddrs())}", flush=True)
+        learner.run(link)
+    finally:
+        link.close()
+        metrics.close()
+    print(f"peer {link.peer_id} stopped at outer step {learner.outer_step}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"peer": peer_main}
+    try:
+        from p2p_diloco.launcher import swarm_main
+
+        commands["swarm"] = swarm_main
+    except ImportError:
+        pass
+    if not argv or argv[0] not in commands:
+        print(f"usage: p2p-diloco {{{','.join(commands)}}} [flags]  (p2p-diloco COMMAND --help for details)", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:], prog=f"p2p-diloco {argv[0]}")

@@ -1,0 +1,111 @@
+"""Codecs for outer gradients on the wire: fp32 (none), fp16, and blockwise 8-bit (bitsandbytes).
+
+Pure torch + bitsandbytes, no hivemind: ``averaging.py`` adapts these codecs to hivemind's
+serialization. A codec turns a flat fp32 tensor into bytes and back; decoding is deterministic, so
+peers that receive the same bytes get the same tensor. The 8-bit codec sends only the absmax of each
+block and the 8-bit indices (the dynamic code book is rebuilt on each side, never sent), and parses
+its header with plain ``int.from_bytes``, so it works under numpy 2 (hivemind's 8-bit codec does not).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import torch
+
+
+class Codec(Protocol):
+    name: str
+
+    def encode(self, values: torch.Tensor) -> bytes:
+        """Flat fp32 tensor -> bytes."""
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        """Bytes -> flat fp32 tensor of ``numel`` values."""
+
+    def bytes_per_value(self) -> float:
+        """Approximate size on the wire per value, in bytes."""
+
+
+class NoneCodec:
+    name = "none"
+
+    def encode(self, values: torch.Tensor) -> bytes:
+        return values.detach().to(torch.float32).contiguous().numpy().tobytes()
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        _check_length(self.name, data, 4 * numel)
+        return torch.frombuffer(bytearray(data), dtype=torch.float32).clone()
+
+    def bytes_per_value(self) -> float:
+        return 4.0
+
+
+class Float16Codec:
+    name = "fp16"
+    _FP16_MAX = 65504.0
+
+    def encode(self, values: torch.Tensor) -> bytes:
+        clamped = values.detach().to(torch.float32).clamp(-self._FP16_MAX, self._FP16_MAX)
+        return clamped.to(torch.float16).contiguous().numpy().tobytes()
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        _check_length(self.name, data, 2 * numel)
+        return torch.frombuffer(bytearray(data), dtype=torch.float16).to(torch.float32)
+
+    def bytes_per_value(self) -> float:
+        return 2.0
+
+
+class BlockwiseInt8Codec:
+    """bitsandbytes ``quantize_blockwise`` with the dynamic signed code: per block of ``block_size`` values,
+    one fp32 absmax plus one uint8 index per value. Size: (1 + 4 / block_size) bytes per value."""
+
+    name = "int8"
+
+    def __init__(self, block_size: int = 256):
+        self.block_size = block_size
+
+    def encode(self, values: torch.Tensor) -> bytes:
+        from bitsandbytes.functional import quantize_blockwise
+
+        flat = values.detach().to(torch.float32).contiguous().view(-1)
+        if flat.numel() == 0:
+            return b""
+        indices, state = quantize_blockwise(flat, code=_dynamic_code(), blocksize=self.block_size)
+        return state.absmax.to(torch.float32).numpy().tobytes() + indices.numpy().tobytes()
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        from bitsandbytes.functional import dequantize_blockwise
+
+        if numel == 0:
+            return torch.zeros(0)
+        num_blocks = -(-numel // self.block_size)
+        _check_length(self.name, data, 4 * num_blocks + numel)
+        buffer = bytearray(data)
+        absmax = torch.frombuffer(buffer, dtype=torch.float32, count=num_blocks)
+        indices = torch.frombuffer(buffer, dtype=torch.uint8, offset=4 * num_blocks, count=numel)
+        return dequantize_blockwise(indices, absmax=absmax, code=_dynamic_code(), blocksize=self.block_size)
+
+    def bytes_per_value(self) -> float:
+        return 1.0 + 4.0 / self.block_size
+
+
+@functools.cache
+def _dynamic_code() -> torch.Tensor:
+    from bitsandbytes.functional import create_dynamic_map
+
+    return create_dynamic_map(signed=True)
+
+
+def _check_length(name: str, data: bytes, expected: int) -> None:
+    if len(data) != expected:
+        raise ValueError(f"{name} payload has {len(data)} bytes, expected {expected}")
+
+
+def make_codec(name: str) -> Codec:
+    codecs = {"none": NoneCodec, "fp16": Float16Codec, "int8": BlockwiseInt8Codec}
+    if name not in codecs:
+        raise ValueError(f"unknown compression {name!r}; choose one of {', '.join(codecs)}")
+    return codecs[name]()

@@ -1,0 +1,236 @@
+"""Configuration: one frozen dataclass per concern, each field documented with its unit.
+
+Precedence is defaults -> TOML config file -> command-line flags (the CLI applies the last two).
+Every section validates itself in ``__post_init__`` and raises ``ValueError`` saying how to fix it.
+This module knows nothing of torch or hivemind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+COMPRESSIONS = ("none", "fp16", "int8")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-style byte-level decoder."""
+
+    vocab_size: int = 256  # tokens; 256 = raw bytes
+    n_layers: int = 4  # transformer blocks
+    d_model: int = 128  # residual stream width
+    n_heads: int = 4  # attention heads; must divide d_model
+    seq_len: int = 128  # context length in tokens
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "seq_len"):
+            _require(getattr(self, name) > 0, f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        _require(
+            self.d_model % self.n_heads == 0,
+            f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})",
+        )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how this peer's shard is chosen."""
+
+    corpus_dir: str | None = None  # folder of text files; None = the Python standard library's .py sources
+    eval_fraction: float = 0.02  # held-out tail of the corpus used only for evaluation (fraction of bytes)
+    shard_index: int = 0  # which contiguous shard of the training bytes this peer reads
+    num_shards: int = 1  # how many shards the training bytes are split into
+
+    def __post_init__(self) -> None:
+        _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        _require(self.num_shards >= 1, f"data.num_shards must be >= 1, got {self.num_shards}")
+        _require(
+            0 <= self.shard_index < self.num_shards,
+            f"data.shard_index must be in [0, num_shards={self.num_shards}), got {self.shard_index}",
+        )
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """The inner optimizer: AdamW on this peer's shard for H steps per round (DiLoCo §2)."""
+
+    inner_steps: int = 50  # H: inner steps per outer round
+    batch_size: int = 16  # sequences per inner step
+    lr: float = 1e-3  # AdamW learning rate
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    grad_clip_norm: float = 1.0  # clip the global grad norm to this; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        _require(self.inner_steps >= 1, f"inner.inner_steps (H) must be >= 1, got {self.inner_steps}")
+        _require(self.batch_size >= 1, f"inner.batch_size must be >= 1, got {self.batch_size}")
+        _require(self.lr > 0, f"inner.lr must be > 0, got {self.lr}")
+        _require(self.weight_decay >= 0, f"inner.weight_decay must be >= 0, got {self.weight_decay}")
+        _require(self.grad_clip_norm >= 0, f"inner.grad_clip_norm must be >= 0, got {self.grad_clip_norm}")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The outer optimizer: SGD with Nesterov momentum on the global params (DiLoCo §2)."""
+
+    lr: float = 0.7  # outer learning rate
+    momentum: float = 0.9  # Nesterov momentum; 0 = plain SGD
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, f"outer.lr must be > 0, got {self.lr}")
+        _require(0 <= self.momentum < 1, f"outer.momentum must be in [0, 1), got {self.momentum}")
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """How this peer finds and averages with the others."""
+
+    run_id: str = "p2p-diloco"  # name of the run; peers with the same run id train together
+    initial_peers: tuple[str, ...] = ()  # multiaddrs of peers already in the swarm; empty = start a new swarm
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)  # where to listen
+    announce_maddrs: tuple[str, ...] = ()  # addresses to advertise to others (e.g. a public IP)
+    identity_path: str | None = None  # private key file for a stable peer id; created if missing
+    compression: str = "int8"  # outer gradient codec on the wire: none, fp16 or int8 (blockwise)
+    matchmaking_time_s: float = 3.0  # how long a ready peer waits for others to join its group
+    averaging_timeout_s: float = 60.0  # give up on a round's averaging after this long
+    chunk_timeout_s: float = 5.0  # a groupmate silent this long in an all-reduce is dropped from it
+    state_timeout_s: float = 60.0  # bound on one state download from a peer
+    progress_period_s: float = 2.0  # how often this peer publishes its progress in the DHT
+    progress_ttl_s: float = 20.0  # a peer whose progress record is older than this counts as gone
+    startup_timeout_s: float = 60.0  # bound on joining the DHT at start
+
+    def __post_init__(self) -> None:
+        _require(
+            bool(self.run_id) and all(c.isalnum() or c in "-_" for c in self.run_id),
+            f"swarm.run_id must be non-empty letters, digits, '-' or '_', got {self.run_id!r}",
+        )
+        _require(
+            self.compression in COMPRESSIONS,
+            f"swarm.compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}",
+        )
+        for name in (
+            "matchmaking_time_s",
+            "averaging_timeout_s",
+            "chunk_timeout_s",
+            "state_timeout_s",
+            "progress_period_s",
+            "progress_ttl_s",
+            "startup_timeout_s",
+        ):
+            _require(getattr(self, name) > 0, f"swarm.{name} must be > 0 seconds, got {getattr(self, name)}")
+        _require(
+            self.averaging_timeout_s > self.matchmaking_time_s,
+            "swarm.averaging_timeout_s must exceed swarm.matchmaking_time_s",
+        )
+        _require(
+            self.progress_ttl_s >= 3 * self.progress_period_s,
+            "swarm.progress_ttl_s must be at least 3x swarm.progress_period_s",
+        )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """When to stop, where to write, how to seed."""
+
+    max_outer_steps: int = 0  # stop after this many outer steps; 0 = no limit
+    max_time_s: float = 0.0  # stop after this many seconds of wall time; 0 = no limit
+    metrics_file: str | None = None  # JSON lines, one record per outer step; None = no file
+    checkpoint_dir: str | None = None  # atomic checkpoints land here; None = no checkpoints
+    checkpoint_every: int = 10  # outer steps between checkpoints (and one at shutdown)
+    eval_every: int = 1  # evaluate on the held-out tail every this many outer steps
+    eval_batches: int = 4  # batches of the held-out tail per evaluation
+    seed: int = 0  # model init seed (shared by the swarm) is seed; data order uses seed + shard
+    threads: int = 1  # torch intra-op threads for this peer
+
+    def __post_init__(self) -> None:
+        _require(self.max_outer_steps >= 0, f"run.max_outer_steps must be >= 0, got {self.max_outer_steps}")
+        _require(self.max_time_s >= 0, f"run.max_time_s must be >= 0 seconds, got {self.max_time_s}")
+        _require(self.checkpoint_every >= 1, f"run.checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        _require(self.eval_every >= 1, f"run.eval_every must be >= 1, got {self.eval_every}")
+        _require(self.eval_batches >= 1, f"run.eval_batches must be >= 1, got {self.eval_batches}")
+        _require(self.threads >= 1, f"run.threads must be >= 1, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Everything one learner island needs; each component receives only its own section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in fields(PeerConfig)}
+_SECTION_CLASSES = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "inner": InnerConfig,
+    "outer": OuterConfig,
+    "swarm": SwarmConfig,
+    "run": RunConfig,
+}
+
+
+def build_config(overrides: dict[str, dict[str, Any]]) -> PeerConfig:
+    """Build a PeerConfig from ``{section: {field: value}}``; unknown names raise ValueError."""
+    sections = {}
+    for name, cls in _SECTION_CLASSES.items():
+        values = dict(overrides.get(name, {}))
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        _require(not unknown, f"unknown key(s) in [{name}]: {', '.join(unknown)}")
+        for key, value in values.items():
+            if isinstance(value, list):
+                values[key] = tuple(value)
+            _check_type(name, key, known[key], values[key])
+        sections[name] = cls(**values)
+    unknown_sections = sorted(set(overrides) - set(_SECTION_CLASSES))
+    _require(not unknown_sections, f"unknown config section(s): {', '.join(unknown_sections)}")
+    return PeerConfig(**sections)
+
+
+def _check_type(section: str, key: str, spec: dataclasses.Field, value: Any) -> None:
+    default = spec.default if spec.default is not dataclasses.MISSING else None
+    if default is None or value is None:
+        return
+    expected: tuple[type, ...] = (type(default),)
+    if isinstance(default, float):
+        expected = (float, int)
+    if isinstance(default, bool) or isinstance(value, bool):
+        expected = (bool,) if isinstance(default, bool) else expected
+        _require(isinstance(value, bool) == isinstance(default, bool), f"{section}.{key} has the wrong type")
+    _require(
+        isinstance(value, expected),
+        f"{section}.{key} must be of type {type(default).__name__}, got {type(value).__name__} ({value!r})",
+    )
+
+
+def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Read a TOML config file into ``{section: {field: value}}``; raises ValueError with the reason."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {path} is not UTF-8 text") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+    for section, values in data.items():
+        _require(isinstance(values, dict), f"config file {path}: '{section}' must be a [table]")
+    return data

@@ -1,0 +1,237 @@
+"""A local multiprocess swarm: N peer processes on 127.0.0.1, live progress, clean stop, run report.
+
+Each peer runs ``peers/peer.py`` in its own process group (its averager, DHT process and ``p2pd`` go
+with it), so that stopping or killing a peer never leaves children behind. The first peer starts the
+swarm; the others join through the address it prints. This module holds no training logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from p2p_diloco.cli import _OneLineParser, add_peer_flags, resolve_config
+from p2p_diloco.report import build_report, plot_report, read_metrics
+
+PEER_SCRIPT = Path(__file__).resolve().parent.parent / "peers" / "peer.py"
+_JOIN_LINE = re.compile(r"others can join with: --initial-peers (\S+)")
+
+
+@dataclass
+class PeerProcess:
+    """One peer started by the launcher, in its own process group."""
+
+    name: str
+    process: subprocess.Popen
+    metrics_file: Path
+    log_file: Path
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.process.pid, signum)  # pgid == pid: started with start_new_session
+        except ProcessLookupError:
+            pass
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """SIGTERM the group, wait ``grace_s``, then SIGKILL whatever of the group is left."""
+        if self.alive:
+            self.signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal_group(signal.SIGKILL)  # reaps the averager, DHT and p2pd even if the peer exited
+        try:
+            return self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def start_peer(
+    name: str, out_dir: Path, peer_args: list[str], initial_peer: str | None, python: str = sys.executable
+) -> PeerProcess:
+    metrics_file, log_file = out_dir / f"{name}.jsonl", out_dir / f"{name}.log"
+    metrics_file.unlink(missing_ok=True)
+    command = [python, str(PEER_SCRIPT), *peer_args, "--metrics-file", str(metrics_file)]
+    command += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    if initial_peer:
+        command += ["--initial-peers", initial_peer]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with open(log_file, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    return PeerProcess(name, process, metrics_file, log_file)
+
+
+def wait_for_address(peer: PeerProcess, timeout_s: float = 120.0) -> str:
+    """The multiaddr a peer prints once it is in the swarm; raises RuntimeError if it dies or times out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = peer.log_file.read_text(errors="replace") if peer.log_file.exists() else ""
+        match = _JOIN_LINE.search(text)
+        if match:
+            return match.group(1)
+        if not peer.alive:
+            tail = text.strip().splitlines()[-1:] or ["(no output)"]
+            raise RuntimeError(f"{peer.name} exited with code {peer.process.returncode}: {tail[0]}")
+        time.sleep(0.2)
+    raise RuntimeError(f"{peer.name} printed no address within {timeout_s:.0f} s")
+
+
+def progress_line(peer: PeerProcess) -> str:
+    records = read_metrics(peer.metrics_file) if peer.metrics_file.exists() else []
+    state = "running" if peer.alive else f"exited({peer.process.returncode})"
+    if not records:
+        return f"{peer.name:>7} {state:<11} starting"
+    last = records[-1]
+    loss = last.get("eval_loss") if last.get("eval_loss") is not None else last.get("loss")
+    loss_text = f"{loss:6.3f}" if loss is not None else "   -  "
+    blocked = last["blocked_s"] / max(1e-9, last["blocked_s"] + last["compute_s"])
+    return (
+        f"{peer.name:>7} {state:<11} outer_step {last['outer_step']:>4}  loss {loss_text}  "
+        f"{last['tokens_per_s']:>8.0f} tok/s  group {last['group_size']}  blocked {100 * blocked:4.1f}%  "
+        f"sha {last['global_sha256'][:10]}  {last['status']}"
+    )
+
+
+class ProgressView:
+    """Redraws one line per peer in place on a terminal; prints a block every ``period_s`` otherwise."""
+
+    def __init__(self, period_s: float = 10.0):
+        self._tty, self._period_s, self._last, self._lines = sys.stdout.isatty(), period_s, 0.0, 0
+
+    def show(self, peers: list[PeerProcess], force: bool = False) -> None:
+        now = time.monotonic()
+        if not (self._tty or force or now - self._last >= self._period_s):
+            return
+        self._last = now
+        lines = [progress_line(p) for p in peers]
+        if self._tty and self._lines:
+            sys.stdout.write(f"\x1b[{self._lines}F")
+        sys.stdout.write("".join(f"\x1b[2K{line}\n" if self._tty else f"{line}\n" for line in lines))
+        if not self._tty:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        self._lines = len(lines)
+
+
+def swarm_main(argv: list[str] | None = None, prog: str = "swarm.py") -> int:
+    parser = _OneLineParser(prog=prog, description="Run a local p2p-diloco swarm of N peer processes and write a report.")
+    parser.add_argument("--peers", type=int, default=3, help="number of peer processes (default 3)")
+    parser.add_argument("--out", default="runs/swarm", help="folder for metrics, logs, report.json and report.png")
+    parser.add_argument("--late-peers", type=int, default=0, help="of the N peers, how many join late (default 0)")
+    parser.add_argument("--late-after-s", type=float, default=60.0, help="seconds after the start that late peers join")
+    parser.add_argument("--config", metavar="FILE", help="TOML config passed to every peer")
+    add_peer_flags(parser)
+    args = parser.parse_args(argv)
+    if args.peers < 1 or not 0 <= args.late_peers < args.peers:
+        return _fail(prog, "--peers must be >= 1 and --late-peers in [0, peers)")
+    try:
+        resolve_config(args)  # validate the peers' flags once, here, before starting anything
+    except ValueError as e:
+        return _fail(prog, str(e))
+    peer_args = _peer_args(argv or [], parser)
+    if not any(a.startswith("--max-time-s") or a.startswith("--max-outer-steps") for a in peer_args):
+        peer_args += ["--max-time-s", "180"]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return _run(args, peer_args, out_dir, prog)
+
+
+def _peer_args(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """The argv minus the launcher's own flags (and their values): what every peer gets."""
+    own = {"--peers", "--out", "--late-peers", "--late-after-s"}
+    result, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if name in own:
+            skip = "=" not in token
+            continue
+        result.append(token)
+    return result
+
+
+def _fail(prog: str, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _run(args: argparse.Namespace, peer_args: list[str], out_dir: Path, prog: str) -> int:
+    stopping = {"signal": None}
+
+    def request_stop(signum: int, _frame: object) -> None:
+        stopping["signal"] = signum
+
+    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    peers: list[PeerProcess] = []
+    started = time.monotonic()
+    view = ProgressView()
+    try:
+        first = start_peer("peer0", out_dir, [*peer_args, "--shard-index", "0", "--num-shards", str(args.peers)], None)
+        peers.append(first)
+        address = wait_for_address(first)
+        print(f"swarm started; first peer at {address}", flush=True)
+        pending = list(range(1, args.peers))
+        while True:
+            elapsed = time.monotonic() - started
+            for index in list(pending):
+                if index < args.peers - args.late_peers or elapsed >= args.late_after_s:
+                    shard = ["--shard-index", str(index), "--num-shards", str(args.peers)]
+                    peers.append(start_peer(f"peer{index}", out_dir, [*peer_args, *shard], address))
+                    pending.remove(index)
+            view.show(peers)
+            if stopping["signal"] is not None or (not pending and not any(p.alive for p in peers)):
+                break
+            time.sleep(1.0)
+    except RuntimeError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return_code = 1
+    else:
+        return_code = 0
+    finally:
+        if stopping["signal"] is not None:
+            print("stopping the swarm ...", flush=True)
+        for peer in peers:
+            peer.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    view.show(peers, force=True)
+    exit_codes = {p.name: p.process.returncode for p in peers}
+    report = build_report(
+        {p.name: p.metrics_file for p in peers},
+        extra=dict(peers_started=len(peers), wall_time_s=round(time.monotonic() - started, 1), exit_codes=exit_codes,
+                   peer_args=peer_args),
+    )
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    if report["peers"]:
+        plot_report(report, out_dir / "report.png")
+    _print_summary(report, out_dir)
+    return return_code
+
+
+def _print_summary(report: dict, out_dir: Path) -> None:
+    invariant = report["invariant_1"]
+    print(f"invariant 1 (identical global params per outer step): {'held' if invariant['held'] else 'VIOLATED'} "
+          f"over {invariant['outer_steps_checked']} outer steps")
+    if report["initial_eval_loss"] is not None:
+        print(f"eval loss: {report['initial_eval_loss']:.3f} (untrained) -> {report['final_eval_loss']:.3f}")
+    for name, peer in sorted(report["peers"].items()):
+        print(f"  {name}: outer step {peer['final_outer_step']}, {peer['tokens']:,} tokens, "
+              f"{peer['tokens_per_s']:.0f} tok/s, blocked {100 * (peer['blocked_fraction'] or 0):.1f}%, "
+              f"{peer['bytes_sent_per_round'] or 0:,} B sent/round, group {peer['mean_group_size']}")
+    print(f"report: {out_dir / 'report.json'}  plot: {out_dir / 'report.png'}", flush=True)

@@ -1,0 +1,88 @@
+"""The small interface between the learner and the swarm, and its one-process implementation.
+
+The learner never touches hivemind: it hands outer gradients to a ``Link`` and gets back an
+``AveragingOutcome`` saying who took part, or asks it for the swarm's state. ``LocalLink`` is the
+swarm of one: no sockets, the same code path (invariant 6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from p2p_diloco.compression import Codec, make_codec
+
+
+@dataclass(frozen=True)
+class AveragingOutcome:
+    """What one attempt at averaging returned; ``averaged`` is None when the round failed."""
+
+    averaged: list[torch.Tensor] | None
+    peers: tuple[str, ...]
+    weight_total: float
+    status: str  # "ok", "partial", "no_group" or "error"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class SwarmState:
+    """Global state downloaded from a peer and verified against the swarm's published sha256."""
+
+    outer_step: int
+    global_params: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    outer_steps_taken: int
+    steps_into_round: int  # inner steps the donor had done in its current round when it served us
+    global_sha256: str
+    donor: str
+
+
+class Link(Protocol):
+    peer_id: str
+
+    def average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome: ...
+
+    def swarm_outer_step(self) -> int: ...
+
+    def download_state(self, num_params: int) -> SwarmState | None: ...
+
+    def publish(self, **fields: object) -> None: ...
+
+    def traffic(self) -> tuple[int, int]: ...
+
+    def close(self) -> None: ...
+
+
+def codec_round_trip(codec: Codec, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """What a group of one gets back: its own reducer's encoded-then-decoded result."""
+    return [codec.decode(codec.encode(t.reshape(-1)), t.numel()).reshape(t.shape) for t in tensors]
+
+
+class LocalLink:
+    """A swarm of exactly one peer, in process."""
+
+    peer_id = "local"
+
+    def __init__(self, compression: str = "none"):
+        self.codec = make_codec(compression)
+
+    def average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
+        return AveragingOutcome(codec_round_trip(self.codec, tensors), (self.peer_id,), weight, "ok")
+
+    def swarm_outer_step(self) -> int:
+        return -1
+
+    def download_state(self, num_params: int) -> SwarmState | None:
+        return None
+
+    def publish(self, **fields: object) -> None:
+        pass
+
+    def traffic(self) -> tuple[int, int]:
+        return 0, 0
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,267 @@
+"""The swarm as one peer sees it: a hivemind DHT, progress records, averaging and state download.
+
+``SwarmLink`` is what the learner talks to. It owns the DHT and the averager, publishes this peer's
+progress (outer step, global params' sha256, tokens) under the run's DHT key from a background thread,
+reads the others', averages outer gradients with the peers at the same outer step, and downloads and
+verifies state from a peer that is ahead. It does not train, and it holds no policy about what a failed
+round means: it reports what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+from hivemind import DHT
+from hivemind.utils.timed_storage import get_dht_time
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from p2p_diloco.averaging import DilocoAverager, WireCodec, run_averaging
+from p2p_diloco.compression import make_codec
+from p2p_diloco.config import SwarmConfig
+from p2p_diloco.link import AveragingOutcome, SwarmState, codec_round_trip
+from p2p_diloco.outer import params_sha256
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmStartError(RuntimeError):
+    """The peer could not join or start the swarm (bad address, unreachable peers, identity in use)."""
+
+
+def start_dht(config: SwarmConfig) -> DHT:
+    """Start this peer's DHT (and its ``p2pd``); raise SwarmStartError with a one-line reason."""
+    kwargs = dict(
+        initial_peers=list(config.initial_peers),
+        host_maddrs=list(config.host_maddrs),
+        start=True,
+        await_ready=False,
+    )
+    if config.announce_maddrs:
+        kwargs["announce_maddrs"] = list(config.announce_maddrs)
+    if config.identity_path:
+        kwargs["identity_path"] = config.identity_path
+    previous_sigint = signal.getsignal(signal.SIGINT)
+    try:
+        dht = DHT(**kwargs)
+    except Exception as e:
+        raise SwarmStartError(_first_line(e)) from None
+    finally:
+        signal.signal(signal.SIGINT, previous_sigint)  # hivemind ignores SIGINT in the caller (DESIGN.md §6)
+    try:
+        dht.wait_until_ready(timeout=config.startup_timeout_s)
+    except Exception as e:
+        dht.shutdown()
+        raise SwarmStartError(_first_line(e) or f"DHT did not start within {config.startup_timeout_s} s") from None
+    return dht
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[-1].strip() if text else type(error).__name__
+
+
+class ProgressBeacon:
+    """Publishes this peer's latest progress record in the DHT every ``period_s`` from a daemon thread."""
+
+    def __init__(self, dht: DHT, key: str, period_s: float, ttl_s: float):
+        self._dht, self._key, self._period_s, self._ttl_s = dht, key, period_s, ttl_s
+        self._record: dict = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="progress-beacon", daemon=True)
+        self._thread.start()
+
+    def update(self, **fields: object) -> None:
+        with self._lock:
+            self._record.update(fields)
+
+    def publish_now(self) -> None:
+        with self._lock:
+            record = dict(self._record)
+        if not record:
+            return
+        self._dht.store(
+            self._key,
+            subkey=self._dht.peer_id.to_base58(),
+            value=record,
+            expiration_time=get_dht_time() + self._ttl_s,
+            return_future=True,
+        )
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._period_s):
+            try:
+                self.publish_now()
+            except Exception as e:  # a DHT hiccup must not kill the beacon
+                logger.debug("progress publish failed: %r", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self._period_s)
+
+
+class SwarmLink:
+    """The learner's connection to the swarm; see the module docstring."""
+
+    def __init__(
+        self,
+        config: SwarmConfig,
+        template: Sequence[torch.Tensor],
+        state_provider: Callable[[], tuple[dict, Sequence[torch.Tensor]]],
+    ):
+        self.config = config
+        self.dht = start_dht(config)
+        self.peer_id = self.dht.peer_id.to_base58()
+        self._progress_key = f"{config.run_id}.progress"
+        self.codec = make_codec(config.compression)
+        self._averager: DilocoAverager | None = None
+        self._beacon: ProgressBeacon | None = None
+        previous_sigint = signal.getsignal(signal.SIGINT)
+        try:
+            self._averager = DilocoAverager(
+                [torch.zeros_like(t) for t in template],
+                self.dht,
+                wire_codec=WireCodec(self.codec),
+                state_provider=state_provider,
+                prefix=f"{config.run_id}_averaging",
+                start=True,
+                min_matchmaking_time=config.matchmaking_time_s,
+                request_timeout=min(1.0, config.matchmaking_time_s / 2),
+                next_chunk_timeout=config.chunk_timeout_s,
+                allreduce_timeout=config.averaging_timeout_s,
+                allow_state_sharing=True,
+                declare_state_period=config.progress_period_s * 2,
+                shutdown_timeout=5,
+            )
+            self._beacon = ProgressBeacon(self.dht, self._progress_key, config.progress_period_s, config.progress_ttl_s)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            signal.signal(signal.SIGINT, previous_sigint)
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(addr) for addr in self.dht.get_visible_maddrs()]
+
+    # progress records -----------------------------------------------------------------------------
+
+    def publish(self, **fields: object) -> None:
+        """Set fields of this peer's progress record; published by the beacon (and now, if the step moved)."""
+        assert self._beacon is not None
+        self._beacon.update(**fields, time=get_dht_time())
+        if "outer_step" in fields:
+            self._beacon.publish_now()
+            assert self._averager is not None
+            self._averager.state_sharing_priority = float(fields["outer_step"])
+
+    def live_peers(self) -> dict[str, dict]:
+        """Progress records of the other peers whose record has not expired."""
+        found = self.dht.get(self._progress_key, latest=True)
+        peers = {}
+        if found is not None and isinstance(found.value, dict):
+            for peer, item in found.value.items():
+                if peer != self.peer_id and isinstance(item, ValueWithExpiration) and isinstance(item.value, dict):
+                    peers[str(peer)] = item.value
+        return peers
+
+    def swarm_outer_step(self) -> int:
+        """The highest outer step that any live peer reports (-1 when alone)."""
+        steps = [int(record.get("outer_step", -1)) for record in self.live_peers().values()]
+        return max(steps, default=-1)
+
+    # averaging ------------------------------------------------------------------------------------
+
+    def average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
+        """Average with the live peers of this outer step; alone in the swarm, the group is just us."""
+        if not any(int(r.get("outer_step", -1)) >= outer_step for r in self.live_peers().values()):
+            return self.average_alone(tensors, weight)
+        assert self._averager is not None
+        return run_averaging(self._averager, tensors, weight, outer_step, self.config.averaging_timeout_s)
+
+    def average_alone(self, tensors: Sequence[torch.Tensor], weight: float) -> AveragingOutcome:
+        # a group of one still goes through the codec, exactly as its own reducer would encode the result
+        return AveragingOutcome(codec_round_trip(self.codec, tensors), (self.peer_id,), weight, "ok")
+
+    def traffic(self) -> tuple[int, int]:
+        assert self._averager is not None
+        return self._averager.traffic.totals()
+
+    # state download -------------------------------------------------------------------------------
+
+    def download_state(self, num_params: int) -> SwarmState | None:
+        """Download the global state from a peer ahead of us and verify its sha256 against the swarm's records.
+
+        Returns None if no donor gave a verifiable state within ``state_timeout_s``.
+        """
+        assert self._averager is not None
+        deadline = time.monotonic() + self.config.state_timeout_s
+        while time.monotonic() < deadline:
+            remaining = deadline - time.monotonic()
+            try:
+                loaded = self._averager.load_state_from_peers(timeout=remaining)
+            except Exception as e:
+                logger.warning("state download failed: %s", _first_line(e))
+                loaded = None
+            if loaded is None:
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                continue
+            state = self._verified_state(*loaded, num_params=num_params)
+            if state is not None:
+                return state
+        return None
+
+    def _verified_state(self, metadata: object, tensors: Sequence[torch.Tensor], num_params: int) -> SwarmState | None:
+        if not isinstance(metadata, dict) or len(tensors) != 2 * num_params:
+            logger.warning("a donor sent a malformed state; trying another")
+            return None
+        params, momentum = [t.float() for t in tensors[:num_params]], [t.float() for t in tensors[num_params:]]
+        digest = params_sha256(params)
+        outer_step = int(metadata.get("outer_step", -1))
+        published = Counter(
+            r.get("global_sha256") for r in self.live_peers().values() if r.get("outer_step") == outer_step
+        )
+        expected = published.most_common(1)[0][0] if published else metadata.get("global_sha256")
+        if digest != expected or digest != metadata.get("global_sha256"):
+            logger.warning("downloaded state for outer step %d does not match the swarm's sha256; retrying", outer_step)
+            return None
+        return SwarmState(
+            outer_step=outer_step,
+            global_params=params,
+            momentum=momentum,
+            outer_steps_taken=int(metadata.get("outer_steps_taken", outer_step)),
+            steps_into_round=int(metadata.get("steps_into_round", 0)),
+            global_sha256=digest,
+            donor=str(metadata.get("peer_id", "?")),
+        )
+
+    def close(self) -> None:
+        """Leave the swarm: stop publishing, shut the averager and the DHT (and its p2pd) down."""
+        if self._beacon is not None:
+            self._beacon.close()
+            self._beacon = None
+        if self._averager is not None:
+            if self._averager.is_alive():
+                self._averager.shutdown()
+            self._averager = None
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+
+def check_multiaddr(text: str, need_peer_id: bool) -> str:
+    """Return ``text`` if it is a valid multiaddr (with a /p2p/ peer id if asked); raise ValueError otherwise."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        protocols = [p.name for p in Multiaddr(text).protocols()]
+    except Exception as e:
+        raise ValueError(f"bad multiaddr {text!r}: {_first_line(e)}") from None
+    if need_peer_id and "p2p" not in protocols:
+        raise ValueError(f"initial peer {text!r} lacks its /p2p/<peer id> part (copy the whole address a peer printed)")
+    return text
