@@ -36,7 +36,7 @@ def save_atomic(directory: str | Path, outer_step: int, state: dict[str, Any], k
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    for old in sorted(directory.glob("outer_step_*.pt"))[:-keep]:
+    for old in sorted(directory.glob("outer_step_*.pt"))[: -max(1, keep)]:
         old.unlink(missing_ok=True)
     return target
 

@@ -115,11 +115,21 @@ def resolve_config(args: argparse.Namespace) -> PeerConfig:
 
 def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if level != "DEBUG":
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_drop_hivemind_tracebacks)
     hivemind_level = logging.WARNING if level != "DEBUG" else logging.DEBUG
     from hivemind.utils.logging import use_hivemind_log_handler
 
     use_hivemind_log_handler("nowhere")  # route hivemind's records through the root handler above
     logging.getLogger("hivemind").setLevel(hivemind_level)
+
+
+def _drop_hivemind_tracebacks(record: logging.LogRecord) -> bool:
+    """hivemind logs a full traceback for every failed round; one line is enough outside DEBUG."""
+    if record.name.startswith("hivemind"):
+        record.exc_info, record.exc_text = None, None
+    return True
 
 
 def peer_main(argv: list[str] | None = None, prog: str = "p2p-diloco peer") -> int:

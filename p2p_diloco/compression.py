@@ -36,6 +36,8 @@ class NoneCodec:
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         _check_length(self.name, data, 4 * numel)
+        if numel == 0:
+            return torch.zeros(0)
         return torch.frombuffer(bytearray(data), dtype=torch.float32).clone()
 
     def bytes_per_value(self) -> float:
@@ -52,6 +54,8 @@ class Float16Codec:
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         _check_length(self.name, data, 2 * numel)
+        if numel == 0:
+            return torch.zeros(0)
         return torch.frombuffer(bytearray(data), dtype=torch.float16).to(torch.float32)
 
     def bytes_per_value(self) -> float:

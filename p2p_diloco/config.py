@@ -204,8 +204,9 @@ def build_config(overrides: dict[str, dict[str, Any]]) -> PeerConfig:
 
 def _check_type(section: str, key: str, spec: dataclasses.Field, value: Any) -> None:
     default = spec.default if spec.default is not dataclasses.MISSING else None
-    if default is None or value is None:
-        return
+    if default is None:
+        return  # optional fields (paths) take None or a string
+    _require(value is not None, f"{section}.{key} must be set (got no value)")
     expected: tuple[type, ...] = (type(default),)
     if isinstance(default, float):
         expected = (float, int)

@@ -96,12 +96,13 @@ class Learner:
                 outer_grads = [g - p.detach() for g, p in zip(self.global_params, self.params)]
                 traffic_before = link.traffic()
                 started = time.monotonic()
-                outcome = link.average(outer_grads, weight=float(self.tokens_since_sync), outer_step=self.outer_step)
+                weight = float(self.tokens_since_sync)
+                outcome = link.average(outer_grads, weight=weight, outer_step=self.outer_step)
                 blocked_s = time.monotonic() - started
                 self._finish_round(link, outcome)
                 self.blocked_s += time.monotonic() - started
                 traffic = tuple(after - before for after, before in zip(link.traffic(), traffic_before))
-                self.metrics.write(self._record(link, outcome, work, blocked_s, traffic))
+                self.metrics.write(self._record(link, outcome, work, blocked_s, traffic, weight))
                 if self.config.run.checkpoint_dir and outcome.averaged is not None:
                     if self.outer_step % self.config.run.checkpoint_every == 0:
                         self.save_checkpoint()
@@ -193,7 +194,13 @@ class Learner:
         return sum(losses) / len(losses)
 
     def _record(
-        self, link: Link, outcome: AveragingOutcome, work: RoundWork, blocked_s: float, traffic: Sequence[int]
+        self,
+        link: Link,
+        outcome: AveragingOutcome,
+        work: RoundWork,
+        blocked_s: float,
+        traffic: Sequence[int],
+        weight: float = 0.0,
     ) -> dict:
         evaluate = outcome.status == "init" or self.outer_step % self.config.run.eval_every == 0
         elapsed = time.monotonic() - self._started
@@ -210,7 +217,7 @@ class Learner:
             eval_loss=self.evaluate() if evaluate else None,
             group_size=len(outcome.peers),
             peers=list(outcome.peers),
-            weight=float(work.tokens if outcome.status != "init" else 0),
+            weight=weight,  # tokens behind the outer gradient sent this round (this and any failed rounds)
             weight_total=outcome.weight_total,
             bytes_sent=int(traffic[0]),
             bytes_received=int(traffic[1]),

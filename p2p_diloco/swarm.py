@@ -18,8 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from hivemind import DHT
-from hivemind.utils.timed_storage import get_dht_time
-from hivemind.utils.timed_storage import ValueWithExpiration
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from p2p_diloco.averaging import DilocoAverager, WireCodec, run_averaging
 from p2p_diloco.compression import make_codec
@@ -28,6 +27,7 @@ from p2p_diloco.link import AveragingOutcome, SwarmState, codec_round_trip
 from p2p_diloco.outer import params_sha256
 
 logger = logging.getLogger(__name__)
+_BOOTSTRAP_ATTEMPTS = 3
 
 
 class SwarmStartError(RuntimeError):
@@ -48,17 +48,24 @@ def start_dht(config: SwarmConfig) -> DHT:
         kwargs["identity_path"] = config.identity_path
     previous_sigint = signal.getsignal(signal.SIGINT)
     try:
-        dht = DHT(**kwargs)
-    except Exception as e:
-        raise SwarmStartError(_first_line(e)) from None
+        # a busy bootstrap peer can miss p2pd's short dial window: retry a few times, then give up with the reason
+        for attempt in range(_BOOTSTRAP_ATTEMPTS):
+            dht = None
+            try:
+                dht = DHT(**kwargs)
+                dht.wait_until_ready(timeout=config.startup_timeout_s)
+                return dht
+            except Exception as e:
+                if dht is not None and dht.is_alive():
+                    dht.shutdown()
+                reason = _first_line(e) or f"DHT did not start within {config.startup_timeout_s} s"
+                if "bootstrap" not in reason or attempt == _BOOTSTRAP_ATTEMPTS - 1:
+                    raise SwarmStartError(reason) from None
+                logger.warning("could not reach the initial peers (attempt %d): retrying", attempt + 1)
+                time.sleep(1.0 + 2 * attempt)
     finally:
         signal.signal(signal.SIGINT, previous_sigint)  # hivemind ignores SIGINT in the caller (DESIGN.md §6)
-    try:
-        dht.wait_until_ready(timeout=config.startup_timeout_s)
-    except Exception as e:
-        dht.shutdown()
-        raise SwarmStartError(_first_line(e) or f"DHT did not start within {config.startup_timeout_s} s") from None
-    return dht
+    raise AssertionError("unreachable")
 
 
 def _first_line(error: BaseException) -> str:
@@ -178,8 +185,12 @@ class SwarmLink:
     # averaging ------------------------------------------------------------------------------------
 
     def average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
-        """Average with the live peers of this outer step; alone in the swarm, the group is just us."""
-        if not any(int(r.get("outer_step", -1)) >= outer_step for r in self.live_peers().values()):
+        """Average with the live peers of this outer step; alone in the swarm, the group is just us.
+
+        Peers that are alive but behind are waited for (they catch up by downloading state and join this
+        outer step), so that a fast peer never runs off on its own while others are there.
+        """
+        if not self.live_peers():
             return self.average_alone(tensors, weight)
         assert self._averager is not None
         return run_averaging(self._averager, tensors, weight, outer_step, self.config.averaging_timeout_s)

@@ -1,0 +1,93 @@
+"""A real local swarm: identical global params per outer step, falling loss, a late joiner, a SIGKILLed peer."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from p2p_diloco.report import check_invariant_1
+
+from .harness import LocalSwarm
+
+pytestmark = pytest.mark.integration
+
+
+def _shas_by_step(records_by_peer: dict[str, list[dict]]) -> dict[int, set[str]]:
+    found: dict[int, set[str]] = {}
+    for records in records_by_peer.values():
+        for r in records:
+            found.setdefault(r["outer_step"], set()).add(r["global_sha256"])
+    return found
+
+
+def _grouped(records: list[dict], size: int) -> bool:
+    return any(r["status"] == "ok" and r["group_size"] >= size for r in records)
+
+
+def test_three_peers_agree_learn_and_admit_a_late_joiner(tmp_path, reaper):
+    swarm = LocalSwarm(tmp_path, reaper)
+    for index in range(3):
+        swarm.start(f"peer{index}", shard=index, extra=["--max-time-s", "130"])
+    swarm.wait_until(lambda: all(_grouped(swarm.records(f"peer{i}"), 3) for i in range(3)), 100, "a group of 3")
+
+    swarm.start("late", shard=3, extra=["--max-time-s", "60"])
+    swarm.wait_until(lambda: _grouped(swarm.records("late"), 2), 60, "the late peer's first averaged round")
+    swarm.wait_until(lambda: not any(p.alive for p in swarm.peers.values()), 150, "all peers to finish")
+    assert all(p.process.returncode == 0 for p in swarm.peers.values()), swarm.log_tails()
+
+    records = swarm.all_records()
+    # invariant 1: every outer step reported by several peers has exactly one sha256
+    invariant = check_invariant_1(records)
+    assert invariant["held"], invariant["forks"]
+    assert invariant["outer_steps_reported_by_several_peers"] >= 8
+    # the three founders averaged as a group of 3 at least once, and nothing was silently partial
+    founder_rounds = [r for i in range(3) for r in records[f"peer{i}"] if r["status"] == "ok"]
+    assert any(r["group_size"] == 3 for r in founder_rounds)
+    assert all(r["bytes_sent"] > 0 for r in founder_rounds if r["group_size"] > 1)
+    # loss falls clearly on held-out data
+    initial = records["peer0"][0]["eval_loss"]
+    final = records["peer0"][-1]["eval_loss"]
+    assert final < initial - 1.5, (initial, final)
+
+    # the late joiner downloaded the state, reached the swarm's sha256, then contributed
+    late_records = records["late"]
+    assert late_records[-1]["catch_ups"] >= 1
+    shas = _shas_by_step({k: v for k, v in records.items() if k != "late"})
+    caught_up = [r for r in late_records if r["catch_ups"] >= 1 and r["outer_step"] in shas]
+    assert caught_up and all(r["global_sha256"] in shas[r["outer_step"]] for r in caught_up)
+    late_id = late_records[0]["peer_id"]
+    joined_steps = [r["outer_step"] for i in range(3) for r in records[f"peer{i}"] if late_id in r["peers"]]
+    assert joined_steps, "no founder ever averaged with the late peer"
+    late_ok = [r for r in late_records if r["status"] == "ok"]
+    assert late_ok and late_ok[0]["group_size"] >= 2 and late_ok[0]["weight"] > 0
+
+
+def test_sigkilled_peer_costs_one_timeout_and_survivors_go_on(tmp_path, reaper):
+    swarm = LocalSwarm(tmp_path, reaper)
+    for index in range(3):
+        swarm.start(f"peer{index}", shard=index, extra=["--max-time-s", "150"])
+    swarm.wait_until(lambda: all(_grouped(swarm.records(f"peer{i}"), 3) for i in range(3)), 100, "a group of 3")
+
+    victim = swarm.peers["peer2"]
+    victim.signal_group(signal.SIGKILL)  # the whole machine dies: trainer, averager, DHT, p2pd
+    killed_at = {name: swarm.outer_step(name) for name in ("peer0", "peer1")}
+    kill_time = time.monotonic()
+    swarm.wait_until(
+        lambda: all(swarm.outer_step(n) >= killed_at[n] + 3 for n in killed_at), 150, "survivors to make 3 more steps"
+    )
+    recovery_s = time.monotonic() - kill_time
+    swarm.stop_all()
+
+    records = swarm.all_records()
+    invariant = check_invariant_1(records)
+    assert invariant["held"], invariant["forks"]
+    for name in killed_at:
+        after = [r for r in records[name] if r["outer_step"] > killed_at[name] and r["status"] != "init"]
+        # one bounded timeout at most: no round blocks longer than the averaging timeout (+ margin)
+        assert max(r["round_blocked_s"] for r in after) < 30 + 10, after
+    # the survivors went on together as a group of two
+    pairs = [r for r in records["peer0"] if r["outer_step"] > killed_at["peer0"] and r["group_size"] == 2]
+    assert pairs and records["peer1"][0]["peer_id"] in pairs[-1]["peers"], pairs
+    assert recovery_s < 150

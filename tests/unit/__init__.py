@@ -1,0 +1,1 @@
+"""Fast single-process unit tests of p2p_diloco: no sockets, no DHT, no subprocesses."""

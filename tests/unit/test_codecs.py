@@ -1,0 +1,122 @@
+"""Outer-gradient codecs: round-trip error bounds, wire size, determinism and payload validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2p_diloco.compression import make_codec
+
+BLOCK = 256  # the int8 codec's default block size
+
+
+def _gaussian(numel: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _relative_l2(decoded: torch.Tensor, original: torch.Tensor) -> float:
+    return ((decoded - original).norm() / original.norm()).item()
+
+
+def test_none_is_exact_and_four_bytes_per_value():
+    codec = make_codec("none")
+    values = _gaussian(1000)
+    payload = codec.encode(values)
+    assert len(payload) == 4 * 1000
+    decoded = codec.decode(payload, 1000)
+    torch.testing.assert_close(decoded, values, rtol=0, atol=0)
+    assert decoded.dtype == torch.float32
+
+
+def test_fp16_relative_error_below_1e_3_and_two_bytes_per_value():
+    codec = make_codec("fp16")
+    values = _gaussian(5000, scale=0.01)
+    payload = codec.encode(values)
+    assert len(payload) == 2 * 5000
+    decoded = codec.decode(payload, 5000)
+    assert decoded.dtype == torch.float32
+    assert _relative_l2(decoded, values) < 1e-3
+    torch.testing.assert_close(decoded, values, rtol=1e-3, atol=1e-7)
+
+
+def test_fp16_saturates_instead_of_overflowing_to_inf():
+    codec = make_codec("fp16")
+    decoded = codec.decode(codec.encode(torch.tensor([1e6, -1e6, 1.0])), 3)
+    torch.testing.assert_close(decoded, torch.tensor([65504.0, -65504.0, 1.0]))
+
+
+@pytest.mark.parametrize("numel", [64 * BLOCK, 1000, BLOCK + 1])
+def test_int8_blockwise_error_bounds(numel: int):
+    """Relative L2 error < 2%, and every value within 1% of its block's absmax."""
+    codec = make_codec("int8")
+    values = _gaussian(numel, seed=numel, scale=3.0)
+    decoded = codec.decode(codec.encode(values), numel)
+    assert decoded.shape == (numel,) and decoded.dtype == torch.float32
+    assert _relative_l2(decoded, values) < 0.02
+
+    blocks = -(-numel // BLOCK)
+    padded_values, padded_errors = torch.zeros(blocks * BLOCK), torch.zeros(blocks * BLOCK)
+    padded_values[:numel], padded_errors[:numel] = values, (decoded - values).abs()
+    absmax = padded_values.view(blocks, BLOCK).abs().amax(dim=1)
+    worst = padded_errors.view(blocks, BLOCK).amax(dim=1)
+    assert bool((worst <= 0.01 * absmax).all()), f"worst error / absmax = {(worst / absmax).max().item():.4f}"
+
+
+def test_int8_is_about_a_quarter_of_fp32():
+    codec = make_codec("int8")
+    for numel in (64 * BLOCK, 10_000, 100_003):
+        size = len(codec.encode(_gaussian(numel)))
+        assert 0.25 <= size / (4 * numel) <= 0.27, (numel, size)
+    assert codec.bytes_per_value() == pytest.approx(1 + 4 / BLOCK)
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "int8"])
+def test_encoding_is_deterministic(name: str):
+    codec = make_codec(name)
+    values = _gaussian(3 * BLOCK + 17, seed=5)
+    first = codec.encode(values)
+    assert first == codec.encode(values.clone())
+    assert first == make_codec(name).encode(values)
+    # decoding is deterministic too: same bytes, same tensor
+    torch.testing.assert_close(codec.decode(first, values.numel()), codec.decode(first, values.numel()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "int8"])
+def test_decode_rejects_wrong_length_payload(name: str):
+    codec = make_codec(name)
+    payload = codec.encode(_gaussian(600))
+    for bad in (payload[:-1], payload + b"\0", b"x"):
+        with pytest.raises(ValueError, match=name):
+            codec.decode(bad, 600)
+    with pytest.raises(ValueError):
+        codec.decode(payload, 601)
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "int8"])
+def test_empty_tensor_round_trips(name: str):
+    codec = make_codec(name)
+    payload = codec.encode(torch.zeros(0))
+    assert payload == b""
+    decoded = codec.decode(payload, 0)
+    assert decoded.numel() == 0 and decoded.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "int8"])
+@pytest.mark.parametrize("numel", [1, BLOCK - 1, BLOCK + 1, 5 * BLOCK + 3])
+def test_lengths_that_are_not_a_multiple_of_the_block_size(name: str, numel: int):
+    codec = make_codec(name)
+    values = _gaussian(numel, seed=numel)
+    decoded = codec.decode(codec.encode(values), numel)
+    assert decoded.shape == (numel,)
+    torch.testing.assert_close(decoded, values, rtol=0.02, atol=0.01 * values.abs().max().item())
+
+
+def test_int8_zeros_decode_to_zeros():
+    codec = make_codec("int8")
+    decoded = codec.decode(codec.encode(torch.zeros(300)), 300)
+    torch.testing.assert_close(decoded, torch.zeros(300), rtol=0, atol=0)
+
+
+def test_unknown_codec_name_raises():
+    with pytest.raises(ValueError, match="unknown compression 'zstd'"):
+        make_codec("zstd")

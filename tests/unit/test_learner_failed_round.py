@@ -1,0 +1,117 @@
+"""A failed averaging round keeps global state and local progress; the next round weighs both rounds' tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from p2p_diloco.config import InnerConfig, OuterConfig, RunConfig
+from p2p_diloco.learner import Learner
+from p2p_diloco.link import AveragingOutcome, SwarmState
+from p2p_diloco.metrics import NullSink
+from p2p_diloco.model import build_model
+from p2p_diloco.outer import params_sha256
+
+from .helpers import assert_all_close, make_dataset, snapshot
+
+H, BATCH = 2, 2
+FAILED = AveragingOutcome(None, (), 0.0, "partial", "a groupmate dropped out")
+
+
+class FlakyLink:
+    """A fake swarm of one whose first ``failures`` averaging rounds fail; later ones return the input unchanged."""
+
+    peer_id = "fake"
+
+    def __init__(self, failures: int):
+        self.failures = failures
+        self.calls: list[dict] = []
+
+    def average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
+        self.calls.append(dict(tensors=snapshot(tensors), weight=weight, outer_step=outer_step))
+        if len(self.calls) <= self.failures:
+            return FAILED
+        return AveragingOutcome(snapshot(tensors), (self.peer_id,), weight, "ok")
+
+    def swarm_outer_step(self) -> int:
+        return -1  # nobody is ahead: a failure must not trigger a download
+
+    def download_state(self, num_params: int) -> SwarmState | None:
+        raise AssertionError("no peer is ahead, nothing to download")
+
+    def publish(self, **fields: object) -> None:
+        pass
+
+    def traffic(self) -> tuple[int, int]:
+        return 0, 0
+
+    def close(self) -> None:
+        pass
+
+
+def _config(make_config, max_outer_steps: int = 0):
+    return make_config(
+        inner=InnerConfig(inner_steps=H, batch_size=BATCH, lr=1e-2, grad_clip_norm=1.0),
+        outer=OuterConfig(lr=0.7, momentum=0.9),
+        run=RunConfig(max_outer_steps=max_outer_steps, eval_batches=1, seed=3),
+    )
+
+
+def _plain_adamw(config, steps: int) -> list[torch.Tensor]:
+    """Local params after ``steps`` uninterrupted AdamW steps from the shared init (what local progress should be)."""
+    model = build_model(config.model, config.run.seed)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=config.inner.lr, weight_decay=config.inner.weight_decay)
+    dataset = make_dataset(config)
+    for _ in range(steps):
+        inputs, targets = dataset.train.next_batch()
+        loss = model(inputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, config.inner.grad_clip_norm)
+        optimizer.step()
+    return snapshot(params)
+
+
+def test_failed_round_keeps_global_state_and_local_progress(make_config):
+    config = _config(make_config)
+    learner = Learner(config, make_dataset(config), metrics=NullSink())
+    link = FlakyLink(failures=1)
+    work = learner._train_round(link)
+    global_before, local_before = snapshot(learner.global_params), snapshot(learner.params)
+    sha_before, momentum_before = learner.global_sha256, snapshot(learner.outer.state_tensors())
+
+    learner._finish_round(link, FAILED)
+
+    assert learner.outer_step == 0 and learner.outer.steps_taken == 0
+    assert learner.global_sha256 == sha_before == params_sha256(learner.global_params)
+    assert_all_close(learner.global_params, global_before, rtol=0, atol=0)
+    assert_all_close(learner.outer.state_tensors(), momentum_before, rtol=0, atol=0)
+    assert_all_close(learner.params, local_before, rtol=0, atol=0)  # not reset to the global params
+    assert any(not torch.equal(p, g) for p, g in zip(learner.params, learner.global_params, strict=True))
+    assert learner.tokens_since_sync == work.tokens == H * BATCH * config.model.seq_len
+    assert learner.steps_into_round == H
+
+
+def test_next_successful_round_carries_both_rounds_of_tokens_and_progress(make_config):
+    config = _config(make_config, max_outer_steps=1)
+    initial = snapshot(build_model(config.model, config.run.seed).parameters())
+    learner = Learner(config, make_dataset(config), metrics=NullSink())
+    link = FlakyLink(failures=1)
+
+    learner.run(link)
+
+    round_tokens = H * BATCH * config.model.seq_len
+    assert [c["weight"] for c in link.calls] == [float(round_tokens), float(2 * round_tokens)]
+    assert [c["outer_step"] for c in link.calls] == [0, 0]  # the failed round did not advance the step
+    # the outer gradient of each attempt is everything trained since the last sync: H, then 2H AdamW steps
+    for call, steps in zip(link.calls, (H, 2 * H), strict=True):
+        expected_grad = [i - r for i, r in zip(initial, _plain_adamw(config, steps), strict=True)]
+        assert_all_close(call["tensors"], expected_grad)
+    # then one Nesterov step from the init: the first step moves by lr * (1 + mu) * grad
+    expected_global = [i - 0.7 * 1.9 * g for i, g in zip(initial, link.calls[1]["tensors"], strict=True)]
+    assert learner.outer_step == 1
+    assert_all_close(learner.global_params, expected_global)
+    assert_all_close(learner.params, learner.global_params, rtol=0, atol=0)  # synced after success
+    assert learner.tokens_since_sync == 0 and learner.tokens_total == 2 * round_tokens

@@ -1,0 +1,74 @@
+"""OuterOptimizer matches torch.optim.SGD(nesterov=True, dampening=0) step by step, with and without momentum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2p_diloco.config import OuterConfig
+from p2p_diloco.outer import OuterOptimizer, params_sha256
+
+from .helpers import assert_all_close
+
+SHAPES = [(7, 5), (13,), (2, 3, 4)]
+
+
+def _random_tensors(generator: torch.Generator) -> list[torch.Tensor]:
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+@pytest.mark.parametrize(("lr", "momentum"), [(0.7, 0.9), (0.7, 0.0), (1.0, 0.0), (0.3, 0.5)])
+def test_outer_step_equals_torch_nesterov_sgd(lr: float, momentum: float):
+    generator = torch.Generator().manual_seed(0)
+    start = _random_tensors(generator)
+    ours = [t.clone() for t in start]
+    outer = OuterOptimizer(ours, OuterConfig(lr=lr, momentum=momentum))
+    reference = [torch.nn.Parameter(t.clone()) for t in start]
+    sgd = torch.optim.SGD(reference, lr=lr, momentum=momentum, dampening=0, nesterov=momentum > 0)
+
+    for _ in range(6):
+        grads = _random_tensors(generator)
+        outer.step(grads)
+        for param, grad in zip(reference, grads, strict=True):
+            param.grad = grad.clone()
+        sgd.step()
+        assert_all_close(ours, reference)
+        if momentum:
+            assert_all_close(outer.state_tensors(), [sgd.state[p]["momentum_buffer"] for p in reference])
+    assert outer.steps_taken == 6
+    # the optimizer updates the very tensors it was given (the learner's global params), in place
+    assert outer.params[0] is ours[0]
+    assert not torch.equal(ours[0], start[0])
+
+
+def test_first_step_with_momentum_is_lr_times_one_plus_mu_times_grad():
+    param = torch.zeros(4)
+    grad = torch.tensor([1.0, -2.0, 0.5, 0.0])
+    OuterOptimizer([param], OuterConfig(lr=0.7, momentum=0.9)).step([grad])
+    torch.testing.assert_close(param, -0.7 * 1.9 * grad)
+
+
+def test_loaded_state_continues_exactly_like_the_original():
+    """A peer that downloads (params, momentum, steps_taken) mid-run continues bit-identically (invariant 1)."""
+    generator = torch.Generator().manual_seed(1)
+    config = OuterConfig(lr=0.7, momentum=0.9)
+    original_params = _random_tensors(generator)
+    original = OuterOptimizer(original_params, config)
+    grads = [_random_tensors(generator) for _ in range(5)]
+    for g in grads[:3]:
+        original.step(g)
+
+    joined_params = [p.clone() for p in original_params]
+    joined = OuterOptimizer(joined_params, config)
+    joined.load_state([m.clone() for m in original.state_tensors()], original.steps_taken)
+    for g in grads[3:]:
+        original.step(g)
+        joined.step(g)
+    assert params_sha256(joined_params) == params_sha256(original_params)
+    assert joined.steps_taken == original.steps_taken == 5
+
+
+def test_wrong_number_of_gradients_raises():
+    outer = OuterOptimizer([torch.zeros(2), torch.zeros(3)], OuterConfig())
+    with pytest.raises(ValueError, match="expected 2 outer gradients, got 1"):
+        outer.step([torch.zeros(2)])

@@ -1,0 +1,69 @@
+"""report.check_invariant_1 flags a fork (two global_sha256 for one outer step) and passes consistent records."""
+
+from __future__ import annotations
+
+import json
+
+from p2p_diloco.report import build_report, check_invariant_1, read_metrics
+
+H0, H1, H1_FORK, H2 = "0" * 64, "1" * 64, "f" * 64, "2" * 64
+
+
+def _record(step: int, digest: str, status: str = "ok") -> dict:
+    return dict(outer_step=step, global_sha256=digest, status=status, group_size=2, bytes_sent=10, bytes_received=10)
+
+
+def test_consistent_records_hold():
+    result = check_invariant_1(
+        {
+            "a": [_record(0, H0, "init"), _record(1, H1), _record(2, H2)],
+            "b": [_record(0, H0, "init"), _record(1, H1)],
+            "c": [_record(2, H2)],  # joined late, caught up
+        }
+    )
+    assert result["held"] is True
+    assert result["forks"] == {}
+    assert result["outer_steps_checked"] == 3
+    assert result["outer_steps_reported_by_several_peers"] == 3
+
+
+def test_a_fork_is_detected_and_named():
+    result = check_invariant_1(
+        {
+            "a": [_record(0, H0, "init"), _record(1, H1), _record(2, H2)],
+            "b": [_record(0, H0, "init"), _record(1, H1_FORK)],
+        }
+    )
+    assert result["held"] is False
+    assert result["forks"] == {"1": sorted([H1, H1_FORK])}
+
+
+def test_a_fork_within_one_peer_is_detected():
+    result = check_invariant_1({"a": [_record(3, H1), _record(3, H1_FORK)]})
+    assert result["held"] is False and list(result["forks"]) == ["3"]
+
+
+def test_failed_rounds_repeating_a_step_with_the_same_hash_are_fine():
+    records = [_record(0, H0, "init"), _record(0, H0, "no_group"), _record(0, H0, "partial"), _record(1, H1)]
+    result = check_invariant_1({"a": records})
+    assert result["held"] is True and result["outer_steps_checked"] == 2
+
+
+def test_records_without_a_hash_are_ignored():
+    result = check_invariant_1(
+        {"a": [{"outer_step": 1}, _record(1, H1)], "b": [{"outer_step": 1, "global_sha256": ""}]}
+    )
+    assert result["held"] is True and result["outer_steps_checked"] == 1
+
+
+def test_build_report_reads_metrics_files_with_a_torn_last_line(tmp_path):
+    paths = {}
+    for name, digest in (("a", H1), ("b", H1_FORK)):
+        path = tmp_path / f"{name}.jsonl"
+        lines = [json.dumps(_record(0, H0, "init")), json.dumps(_record(1, digest)), '{"outer_step": 2, "glo']
+        path.write_text("\n".join(lines), encoding="utf-8")
+        paths[name] = path
+    assert len(read_metrics(paths["a"])) == 2
+    report = build_report(paths)
+    assert report["invariant_1"]["held"] is False
+    assert report["invariant_1"]["forks"] == {"1": sorted([H1, H1_FORK])}
