@@ -22,6 +22,7 @@ import asyncio
 import ctypes
 import logging
 import multiprocessing as mp
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -53,6 +54,9 @@ class WireCodec(CompressionBase):
     def __init__(self, codec: Codec):
         self.codec = codec
         self.compression_type = _WIRE_TYPES[codec.name]
+        # load the codec's native library here, before the averager forks: importing bitsandbytes takes
+        # seconds, longer than a groupmate waits for our first chunk, so a lazy import fails the first round
+        codec.decode(codec.encode(torch.zeros(8)), 8)
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         return runtime_pb2.Tensor(
@@ -205,16 +209,18 @@ class DilocoAverager(DecentralizedAverager):
         *,
         wire_codec: WireCodec,
         state_provider: Callable[[], tuple[dict, Sequence[torch.Tensor]]],
+        runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner,
         **kwargs: Any,
     ):
         install_wire_codecs()
         self.wire_codec, self.traffic, self._state_provider = wire_codec, TrafficCounters(), state_provider
+        self.runner_class = runner_class  # tests inject faults with a subclass (RPC names follow our class name)
         super().__init__(averaged_tensors, dht, compression=wire_codec, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, group_id=None, **kwargs):
         # hivemind adds deltas as they arrive; we collect exact averages and write them only if none is missing
         group_id = group_info.group_id if group_id is None else group_id
-        runner = ExactAllReduceRunner(
+        runner = self.runner_class(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -251,19 +257,33 @@ def outer_step_key(outer_step: int) -> str:
 def run_averaging(
     averager: DilocoAverager, tensors: Sequence[torch.Tensor], weight: float, outer_step: int, timeout_s: float
 ) -> AveragingOutcome:
-    """Average ``tensors`` with the peers of ``outer_step``; never raises for network failures."""
+    """Average ``tensors`` with the peers of ``outer_step``; never raises for network failures.
+
+    A failure before any result arrived (no group yet, a groupmate gone during matchmaking) is retried
+    until ``timeout_s``. A *partial* all-reduce is not retried: some groupmates may already hold the
+    complete result, and a second group at the same outer step would give different bytes (a fork).
+    """
     with averager.get_tensors() as buffers:
         for buffer, tensor in zip(buffers, tensors, strict=True):
             buffer.copy_(tensor)
     averager.set_group_bits(outer_step_key(outer_step))
-    try:
-        gathered = averager.step(
-            gather=dict(outer_step=outer_step, weight=weight), weight=weight, timeout=timeout_s, allow_retries=True
-        )
-    except Exception as e:  # hivemind raises a zoo of types for a failed round; all mean "no average"
-        text = f"{type(e).__name__}: {e}"
-        status = "partial" if "partial all-reduce" in text else "no_group" if "group" in text else "error"
-        return AveragingOutcome(None, (), 0.0, status, text[:300])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            gathered = averager.step(
+                gather=dict(outer_step=outer_step, weight=weight),
+                weight=weight,
+                timeout=max(1.0, deadline - time.monotonic()),
+                allow_retries=False,
+            )
+        except Exception as e:  # hivemind raises a zoo of types for a failed round; all mean "no average"
+            text = f"{type(e).__name__}: {e}"
+            status = "partial" if "partial all-reduce" in text else "no_group" if "group" in text else "error"
+            if status == "partial" or deadline - time.monotonic() < 1.0:
+                return AveragingOutcome(None, (), 0.0, status, text[:300])
+            logger.debug("averaging attempt failed (%s); retrying", text)
+            continue
+        break
     if not gathered:
         return AveragingOutcome(None, (), 0.0, "no_group", "averager returned no group")
     steps = {info.get("outer_step") for info in gathered.values() if isinstance(info, dict)}

@@ -66,6 +66,8 @@ class Learner:
         self.round_budget = config.inner.inner_steps
         self.compute_s = self.blocked_s = 0.0
         self.catch_ups = 0
+        self.forks_healed = 0
+        self.peer_id = "?"
         self._state_lock = threading.Lock()  # guards global state against a concurrent state download
         self._eval_batches = dataset.eval_batches(config.run.eval_batches)
         self._started = time.monotonic()
@@ -78,6 +80,7 @@ class Learner:
                 global_sha256=self.global_sha256,
                 outer_steps_taken=self.outer.steps_taken,
                 steps_into_round=self.steps_into_round,
+                peer_id=self.peer_id,
             )
             tensors = [t.clone() for t in self.global_params] + [t.clone() for t in self.outer.state_tensors()]
         return metadata, tensors
@@ -85,6 +88,7 @@ class Learner:
     def run(self, link: Link) -> None:
         """Train until max_outer_steps, max_time_s or ``stop``; writes one metrics record per round."""
         self._started = time.monotonic()
+        self.peer_id = link.peer_id
         self.metrics.write(self._record(link, AveragingOutcome(None, (), 0.0, "init"), RoundWork(), 0.0, (0, 0)))
         link.publish(outer_step=self.outer_step, global_sha256=self.global_sha256, tokens=0)
         self._catch_up(link)
@@ -93,6 +97,9 @@ class Learner:
                 work = self._train_round(link)
                 if work.interrupted:
                     break
+                # before averaging: if the swarm moved on, or another group averaged our last outer step to
+                # other bytes (a fork), take the swarm's state now; our progress is rebased onto it
+                self._catch_up(link)
                 outer_grads = [g - p.detach() for g, p in zip(self.global_params, self.params)]
                 traffic_before = link.traffic()
                 started = time.monotonic()
@@ -150,8 +157,11 @@ class Learner:
             logger.warning("outer step %d: round failed (%s: %s)", self.outer_step, outcome.status, outcome.reason)
             self._catch_up(link)  # if nobody advanced, local progress simply carries into the next round
             return
+        self._apply_average(link, outcome.averaged)
+
+    def _apply_average(self, link: Link, averaged: list[torch.Tensor]) -> None:
         with self._state_lock:
-            self.outer.step(outcome.averaged)
+            self.outer.step(averaged)
             self.outer_step += 1
             self.global_sha256 = params_sha256(self.global_params)
             self.steps_into_round = 0
@@ -163,14 +173,22 @@ class Learner:
         link.publish(outer_step=self.outer_step, global_sha256=self.global_sha256, steps_into_round=0)
 
     def _catch_up(self, link: Link) -> bool:
-        """If the swarm is ahead, download its verified state and rebase local progress onto it."""
-        if link.swarm_outer_step() <= self.outer_step:
+        """If the swarm is ahead, or holds other bytes for our outer step (a fork: two groups averaged the
+        same step apart), download its verified state and rebase local progress onto it."""
+        behind = link.swarm_outer_step() > self.outer_step
+        forked = not behind and link.canonical_sha(self.outer_step, self.global_sha256) != self.global_sha256
+        if not (behind or forked):
             return False
         started = time.monotonic()
         state = link.download_state(len(self.params))
         self.blocked_s += time.monotonic() - started
-        if state is None or state.outer_step <= self.outer_step:
-            logger.warning("swarm is ahead of outer step %d but no verified state could be downloaded", self.outer_step)
+        newer = state is not None and (
+            state.outer_step > self.outer_step
+            or (forked and state.outer_step == self.outer_step and state.global_sha256 != self.global_sha256)
+        )
+        if not newer:
+            what = "ahead of" if behind else "on other bytes at"
+            logger.warning("swarm is %s outer step %d; no verified state could be downloaded", what, self.outer_step)
             return False
         with torch.no_grad(), self._state_lock:
             for param, old, new in zip(self.params, self.global_params, state.global_params):
@@ -182,8 +200,13 @@ class Learner:
         # finish the swarm's current round with it rather than starting a whole new one
         self.round_budget = max(1, self.config.inner.inner_steps - state.steps_into_round)
         self.catch_ups += 1
-        logger.info("caught up to outer step %d in %.2f s", self.outer_step, time.monotonic() - started)
+        self.forks_healed += int(forked)
+        logger.info("%s outer step %d in %.2f s", "healed a fork at" if forked else "caught up to", self.outer_step,
+                    time.monotonic() - started)
         link.publish(outer_step=self.outer_step, global_sha256=self.global_sha256)
+        status = "fork_healed" if forked else "caught_up"
+        reason = f"downloaded from {state.donor}"
+        self.metrics.write(self._record(link, AveragingOutcome(None, (), 0.0, status, reason), RoundWork(), 0.0, (0, 0)))
         return True
 
     @torch.no_grad()
@@ -227,6 +250,7 @@ class Learner:
             round_blocked_s=round(blocked_s, 4),
             tokens_per_s=round(self.tokens_total / elapsed, 1) if elapsed > 0 else 0.0,
             catch_ups=self.catch_ups,
+            forks_healed=self.forks_healed,
             global_sha256=self.global_sha256,
         )
 

@@ -47,6 +47,8 @@ class Link(Protocol):
 
     def swarm_outer_step(self) -> int: ...
 
+    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None: ...
+
     def download_state(self, num_params: int) -> SwarmState | None: ...
 
     def publish(self, **fields: object) -> None: ...
@@ -74,6 +76,9 @@ class LocalLink:
 
     def swarm_outer_step(self) -> int:
         return -1
+
+    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
+        return own_sha
 
     def download_state(self, num_params: int) -> SwarmState | None:
         return None

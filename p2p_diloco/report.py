@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 
+ROUND_STATUSES = ("ok", "partial", "no_group", "error")  # records of an averaging attempt (not init / catch-up)
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """Records of one metrics file; a torn last line (a peer killed mid-write) is skipped."""
     records = []
@@ -24,26 +27,41 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def check_invariant_1(records_by_peer: dict[str, list[dict]]) -> dict[str, Any]:
-    """Every peer that reports outer step r must report the same global_sha256 for it (DESIGN.md §3.1)."""
-    hashes: dict[int, set[str]] = defaultdict(set)
-    reporters: dict[int, set[str]] = defaultdict(set)
+    """Every peer that reports outer step r must report the same global_sha256 for it (DESIGN.md §3.1).
+
+    A peer may replace its bytes for a step only through an explicit ``fork_healed`` record (it found that
+    the swarm held other bytes for that step and downloaded them): such steps are counted as healed forks.
+    Any other disagreement, between peers' final bytes or within one peer, is a fork and fails the check.
+    """
+    final: dict[int, dict[str, str]] = defaultdict(dict)  # step -> peer -> last sha
+    forks: dict[int, set[str]] = defaultdict(set)
+    healed: set[int] = set()
     for peer, records in records_by_peer.items():
         for record in records:
-            if record.get("global_sha256"):
-                hashes[record["outer_step"]].add(record["global_sha256"])
-                reporters[record["outer_step"]].add(peer)
-    forks = {step: sorted(found) for step, found in hashes.items() if len(found) > 1}
-    shared = [step for step in hashes if len(reporters[step]) > 1]
+            sha, step = record.get("global_sha256"), record.get("outer_step")
+            if not sha or step is None:
+                continue
+            previous = final[step].get(peer)
+            if previous is not None and previous != sha:
+                if record.get("status") == "fork_healed":
+                    healed.add(step)
+                else:
+                    forks[step].update((previous, sha))
+            final[step][peer] = sha
+    for step, by_peer in final.items():
+        if len(set(by_peer.values())) > 1:
+            forks[step].update(by_peer.values())
     return dict(
         held=not forks,
-        outer_steps_checked=len(hashes),
-        outer_steps_reported_by_several_peers=len(shared),
-        forks={str(step): found for step, found in sorted(forks.items())},
+        outer_steps_checked=len(final),
+        outer_steps_reported_by_several_peers=sum(len(by_peer) > 1 for by_peer in final.values()),
+        forks={str(step): sorted(found) for step, found in sorted(forks.items())},
+        healed_forks=sorted(healed),
     )
 
 
 def summarise_peer(records: list[dict]) -> dict[str, Any]:
-    rounds = [r for r in records if r.get("status") != "init"]
+    rounds = [r for r in records if r.get("status") in ROUND_STATUSES]
     evals = [r for r in records if r.get("eval_loss") is not None]
     last = records[-1] if records else {}
     busy = last.get("compute_s", 0.0) + last.get("blocked_s", 0.0)

@@ -164,8 +164,25 @@ class SwarmLink:
         self._beacon.update(**fields, time=get_dht_time())
         if "outer_step" in fields:
             self._beacon.publish_now()
-            assert self._averager is not None
-            self._averager.state_sharing_priority = float(fields["outer_step"])
+            self.refresh_donor_priority(int(fields["outer_step"]), str(fields.get("global_sha256", "")))
+
+    def refresh_donor_priority(self, outer_step: int, global_sha256: str) -> None:
+        """Donors are tried highest priority first: the furthest outer step, then the swarm's canonical bytes."""
+        assert self._averager is not None
+        canonical = self.canonical_sha(outer_step, global_sha256) == global_sha256
+        self._averager.state_sharing_priority = float(outer_step) + (0.5 if canonical else 0.0)
+
+    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
+        """The global params' sha256 that the swarm holds for ``outer_step``: the one most live peers report
+        (ties: the smallest hash). Every peer with the same view picks the same one, so a fork heals one way."""
+        votes = Counter(
+            str(r.get("global_sha256")) for r in self.live_peers().values() if r.get("outer_step") == outer_step
+        )
+        if own_sha:
+            votes[own_sha] += 1
+        if not votes:
+            return None
+        return min(votes, key=lambda sha: (-votes[sha], sha))
 
     def live_peers(self) -> dict[str, dict]:
         """Progress records of the other peers whose record has not expired."""
@@ -234,10 +251,7 @@ class SwarmLink:
         params, momentum = [t.float() for t in tensors[:num_params]], [t.float() for t in tensors[num_params:]]
         digest = params_sha256(params)
         outer_step = int(metadata.get("outer_step", -1))
-        published = Counter(
-            r.get("global_sha256") for r in self.live_peers().values() if r.get("outer_step") == outer_step
-        )
-        expected = published.most_common(1)[0][0] if published else metadata.get("global_sha256")
+        expected = self.canonical_sha(outer_step)
         if digest != expected or digest != metadata.get("global_sha256"):
             logger.warning("downloaded state for outer step %d does not match the swarm's sha256; retrying", outer_step)
             return None

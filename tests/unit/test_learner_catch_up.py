@@ -33,6 +33,9 @@ class AheadLink:
     def swarm_outer_step(self) -> int:
         return self.swarm_step
 
+    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
+        return own_sha  # no other bytes in the swarm: never a fork
+
     def download_state(self, num_params: int) -> SwarmState | None:
         self.downloads += 1
         return self.state

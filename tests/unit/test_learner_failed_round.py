@@ -37,6 +37,9 @@ class FlakyLink:
     def swarm_outer_step(self) -> int:
         return -1  # nobody is ahead: a failure must not trigger a download
 
+    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
+        return own_sha  # no other bytes in the swarm: never a fork
+
     def download_state(self, num_params: int) -> SwarmState | None:
         raise AssertionError("no peer is ahead, nothing to download")
 

@@ -43,6 +43,16 @@ def test_a_fork_within_one_peer_is_detected():
     assert result["held"] is False and list(result["forks"]) == ["3"]
 
 
+def test_a_fork_healed_by_an_explicit_record_holds_and_is_counted():
+    result = check_invariant_1(
+        {
+            "a": [_record(1, H1), _record(2, H2)],
+            "b": [_record(1, H1_FORK), _record(1, H1, "fork_healed"), _record(2, H2)],
+        }
+    )
+    assert result["held"] is True and result["healed_forks"] == [1]
+
+
 def test_failed_rounds_repeating_a_step_with_the_same_hash_are_fine():
     records = [_record(0, H0, "init"), _record(0, H0, "no_group"), _record(0, H0, "partial"), _record(1, H1)]
     result = check_invariant_1({"a": records})

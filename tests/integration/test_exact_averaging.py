@@ -1,0 +1,119 @@
+"""hivemind averaging made exact: identical bytes on every peer, token weights honoured, partial rounds refused."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hivemind import DHT
+
+from p2p_diloco.averaging import DilocoAverager, ExactAllReduceRunner, WireCodec, run_averaging
+from p2p_diloco.compression import make_codec
+from p2p_diloco.link import codec_round_trip
+
+pytestmark = pytest.mark.integration
+
+SHAPES = [(320, 320), (100_000,), (400, 250)]  # three parts of ~100k values: one per reducer
+
+
+def _state() -> tuple[dict, list[torch.Tensor]]:
+    return {}, []
+
+
+class CrashingReducerRunner(ExactAllReduceRunner):
+    """A reducer that accumulates its part but breaks off before sending any result, as a peer dying mid-round."""
+
+    async def _accumulate_parts_streaming(self, stream, sender_index):
+        async for _message in super()._accumulate_parts_streaming(stream, sender_index):
+            raise RuntimeError("reducer crashed")
+        yield  # unreachable: makes this an async generator like the method it overrides
+
+
+def _swarm(count: int, compression: str, runners: list[type] | None = None):
+    dhts = [DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    address = [str(a) for a in dhts[0].get_visible_maddrs()]
+    dhts += [DHT(start=True, initial_peers=address, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(count - 1)]
+    runners = runners or [ExactAllReduceRunner] * count
+    averagers = [
+        DilocoAverager(
+            [torch.zeros(shape) for shape in SHAPES],
+            dht,
+            wire_codec=WireCodec(make_codec(compression)),
+            state_provider=_state,
+            prefix="exact_test",
+            start=True,
+            min_matchmaking_time=2.0,
+            request_timeout=1.0,
+            next_chunk_timeout=3.0,
+            allreduce_timeout=20.0,
+            target_group_size=count,
+            min_group_size=count,  # all of them or nobody: the faulty peer cannot be left out by timing
+            runner_class=runner,
+        )
+        for runner, dht in zip(runners, dhts)
+    ]
+    return dhts, averagers
+
+
+def _average_concurrently(averagers, inputs, weights, timeout_s):
+    outcomes = [None] * len(averagers)
+
+    def work(index):
+        outcomes[index] = run_averaging(averagers[index], inputs[index], weights[index], outer_step=5, timeout_s=timeout_s)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(averagers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout_s + 30)
+    return outcomes
+
+
+def _shutdown(dhts, averagers):
+    for averager in averagers:
+        averager.shutdown()
+    for dht in dhts:
+        dht.shutdown()
+
+
+@pytest.mark.parametrize("compression", ["int8", "none"])
+def test_every_peer_gets_the_same_bytes_and_the_weighted_average(compression):
+    torch.manual_seed(0)
+    inputs = [[torch.randn(shape) * (i + 1) for shape in SHAPES] for i in range(3)]
+    weights = [1000.0, 2000.0, 3000.0]  # tokens
+    dhts, averagers = _swarm(3, compression)
+    try:
+        outcomes = _average_concurrently(averagers, inputs, weights, timeout_s=40)
+    finally:
+        _shutdown(dhts, averagers)
+    assert all(o is not None and o.status == "ok" for o in outcomes), outcomes
+    assert all(len(o.peers) == 3 and o.weight_total == sum(weights) for o in outcomes)
+    reference = outcomes[0].averaged
+    for outcome in outcomes[1:]:
+        for mine, theirs in zip(outcome.averaged, reference):
+            assert torch.equal(mine, theirs)  # bit-identical, not merely close
+    expected = [sum(w * x[k] for w, x in zip(weights, inputs)) / sum(weights) for k in range(len(SHAPES))]
+    if compression == "none":
+        for got, want in zip(reference, expected):
+            torch.testing.assert_close(got, want)
+    else:  # two int8 hops (sender part, then the reducer's result): within ~3% relative L2
+        for got, want in zip(reference, expected):
+            assert (got - want).norm() / want.norm() < 0.03
+        assert codec_round_trip(make_codec("int8"), [expected[0]])[0].shape == expected[0].shape
+
+
+def test_a_reducer_that_breaks_off_makes_the_round_fail_not_half_averaged():
+    torch.manual_seed(1)
+    inputs = [[torch.randn(shape) for shape in SHAPES] for _ in range(3)]
+    runners = [ExactAllReduceRunner, ExactAllReduceRunner, CrashingReducerRunner]
+    dhts, averagers = _swarm(3, "none", runners)
+    try:
+        outcomes = _average_concurrently(averagers, inputs, [1.0, 1.0, 1.0], timeout_s=15)
+    finally:
+        _shutdown(dhts, averagers)
+    honest = outcomes[:2]
+    assert all(o is not None for o in honest)
+    # hivemind alone would report success with the crashed part left at each peer's own value
+    assert all(o.status != "ok" and o.averaged is None for o in honest), [(o.status, o.reason, o.peers) for o in outcomes]
+    assert any("partial" in o.reason for o in honest), [o.reason for o in honest]
