@@ -11,7 +11,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-
 ROUND_STATUSES = ("ok", "partial", "no_group", "error")  # records of an averaging attempt (not init / catch-up)
 
 
