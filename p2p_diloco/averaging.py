@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, AllreduceException, BannedException
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.compression import serialization as hivemind_serialization
 from hivemind.p2p import PeerID
@@ -45,7 +45,11 @@ _WIRE_TYPES = {
     "none": runtime_pb2.CompressionType.NONE,
     "fp16": runtime_pb2.CompressionType.FLOAT16,
     "int8": runtime_pb2.CompressionType.BLOCKWISE_8BIT,
+    # hivemind's wire enum has no 4-bit type: NF4 parts travel under UNIFORM_8BIT's id, which p2p-diloco
+    # never uses otherwise; every peer decodes it with our codec (install_wire_codecs)
+    "int4": runtime_pb2.CompressionType.UNIFORM_8BIT,
 }
+_QUANTIZATION_BLOCK = 256  # every part holds whole quantization blocks (64 for int4, 256 for int8)
 
 
 class WireCodec(CompressionBase):
@@ -72,7 +76,12 @@ class WireCodec(CompressionBase):
         return self.codec.decode(serialized_tensor.buffer, shape.numel()).reshape(shape)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return self.codec.bytes_per_value() / 4.0
+        # hivemind cuts tensors into parts of int(part_size_bytes / (4 * ratio)) values; report a ratio that
+        # makes that a whole number of quantization blocks, so a part re-quantizes exactly like the whole
+        # tensor did (error feedback relies on it)
+        values = DEFAULT_PART_SIZE_BYTES / self.codec.bytes_per_value()
+        aligned = max(_QUANTIZATION_BLOCK, int(values // _QUANTIZATION_BLOCK) * _QUANTIZATION_BLOCK)
+        return DEFAULT_PART_SIZE_BYTES / (4.0 * (aligned + 0.5))
 
 
 def install_wire_codecs() -> None:
@@ -81,7 +90,7 @@ def install_wire_codecs() -> None:
     Receivers decode through hivemind's global registry, keyed by the wire type in each message, so this
     must run in every peer process before its averager starts (the averager is a forked child).
     """
-    for name in ("fp16", "int8"):
+    for name in ("fp16", "int8", "int4"):
         wire_type = runtime_pb2.CompressionType.Name(_WIRE_TYPES[name])
         hivemind_serialization._BASE_COMPRESSION_TYPES[wire_type] = WireCodec(make_codec(name))
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-COMPRESSIONS = ("none", "fp16", "int8")
+COMPRESSIONS = ("none", "fp16", "int8", "int4")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -67,6 +67,9 @@ class InnerConfig:
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 0.1  # AdamW decoupled weight decay
     grad_clip_norm: float = 1.0  # clip the global grad norm to this; 0 disables clipping
+    tokens_per_round: int = 0  # swarm-wide tokens that end a round; 0 = inner_steps x batch tokens x live peers
+    round_deadline_s: float = 0.0  # a round ends at the latest this many seconds after it began; 0 = no deadline
+    throttle: float = 1.0  # slow each inner step this many times (sleeping), to emulate older hardware
 
     def __post_init__(self) -> None:
         _require(self.inner_steps >= 1, f"inner.inner_steps (H) must be >= 1, got {self.inner_steps}")
@@ -74,6 +77,9 @@ class InnerConfig:
         _require(self.lr > 0, f"inner.lr must be > 0, got {self.lr}")
         _require(self.weight_decay >= 0, f"inner.weight_decay must be >= 0, got {self.weight_decay}")
         _require(self.grad_clip_norm >= 0, f"inner.grad_clip_norm must be >= 0, got {self.grad_clip_norm}")
+        _require(self.tokens_per_round >= 0, f"inner.tokens_per_round must be >= 0, got {self.tokens_per_round}")
+        _require(self.round_deadline_s >= 0, f"inner.round_deadline_s must be >= 0 s, got {self.round_deadline_s}")
+        _require(self.throttle >= 1, f"inner.throttle must be >= 1 (1 = full speed), got {self.throttle}")
 
 
 @dataclass(frozen=True)
@@ -97,12 +103,12 @@ class SwarmConfig:
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)  # where to listen
     announce_maddrs: tuple[str, ...] = ()  # addresses to advertise to others (e.g. a public IP)
     identity_path: str | None = None  # private key file for a stable peer id; created if missing
-    compression: str = "int8"  # outer gradient codec on the wire: none, fp16 or int8 (blockwise)
+    compression: str = "int8"  # outer gradient codec: none, fp16, int8 (blockwise) or int4 (nf4, error feedback)
     matchmaking_time_s: float = 3.0  # how long a ready peer waits for others to join its group
     averaging_timeout_s: float = 60.0  # give up on a round's averaging after this long
     chunk_timeout_s: float = 5.0  # a groupmate silent this long in an all-reduce is dropped from it
     state_timeout_s: float = 60.0  # bound on one state download from a peer
-    progress_period_s: float = 2.0  # how often this peer publishes its progress in the DHT
+    progress_period_s: float = 1.0  # how often this peer publishes its progress and reads the others' (DHT)
     progress_ttl_s: float = 20.0  # a peer whose progress record is older than this counts as gone
     startup_timeout_s: float = 60.0  # bound on joining the DHT at start
 

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +89,66 @@ def wait_for_address(peer: PeerProcess, timeout_s: float = 120.0) -> str:
             raise RuntimeError(f"{peer.name} exited with code {peer.process.returncode}: {tail[0]}")
         time.sleep(0.2)
     raise RuntimeError(f"{peer.name} printed no address within {timeout_s:.0f} s")
+
+
+class LocalSwarm:
+    """Peers started one by one on 127.0.0.1 (the first one's address is the others' initial peer),
+    watched through their metrics files. Used by the benchmark scripts and the integration tests."""
+
+    def __init__(self, out_dir: Path, flags: list[str], on_start: Callable[[int], None] | None = None):
+        self.out_dir, self.flags, self._on_start = out_dir, list(flags), on_start
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.peers: dict[str, PeerProcess] = {}
+        self.address: str | None = None
+
+    def start(self, name: str, shard: int, num_shards: int, extra: list[str] | None = None) -> PeerProcess:
+        flags = [*self.flags, *(extra or []), "--shard-index", str(shard), "--num-shards", str(num_shards)]
+        peer = start_peer(name, self.out_dir, flags, self.address)
+        if self._on_start:
+            self._on_start(peer.process.pid)
+        self.peers[name] = peer
+        if self.address is None:
+            self.address = wait_for_address(peer, timeout_s=90)
+        return peer
+
+    def records(self, name: str) -> list[dict]:
+        path = self.peers[name].metrics_file
+        return read_metrics(path) if path.exists() else []
+
+    def all_records(self) -> dict[str, list[dict]]:
+        return {name: self.records(name) for name in self.peers}
+
+    def wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+        """Poll ``condition``; raise RuntimeError on time-out or when a peer dies with an error."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            for name, peer in self.peers.items():
+                if not peer.alive and peer.process.returncode not in (0, None, -signal.SIGKILL):
+                    raise RuntimeError(f"{name} died (code {peer.process.returncode}): {self.log_tail(name)}")
+            time.sleep(0.5)
+        raise RuntimeError(f"timed out after {timeout_s} s waiting for {what}; logs: {self.log_tails()}")
+
+    def wait_all_exited(self, timeout_s: float) -> None:
+        self.wait_until(lambda: not any(p.alive for p in self.peers.values()), timeout_s, "all peers to finish")
+
+    def outer_step(self, name: str) -> int:
+        records = self.records(name)
+        return records[-1]["outer_step"] if records else -1
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        path = self.peers[name].log_file
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def log_tails(self) -> str:
+        return "\n".join(f"--- {name}\n{self.log_tail(name)}" for name in self.peers)
+
+    def stop_all(self) -> dict[str, int | None]:
+        for peer in self.peers.values():
+            if peer.alive:
+                peer.signal_group(signal.SIGTERM)  # all at once, so none trains on alone meanwhile
+        return {name: peer.stop(grace_s=40) for name, peer in self.peers.items()}
 
 
 def progress_line(peer: PeerProcess) -> str:

@@ -1,14 +1,18 @@
-"""One learner island: the DiLoCo loop of DESIGN.md §2 (averaging not yet overlapped with compute).
+"""One learner island: the decoupled DiLoCo loop of DESIGN.md §2.
 
-    loop:
-      H inner AdamW steps on this peer's shard              (fewer right after catching up mid-round)
-      outer_grad = global_params - local_params; weight = tokens behind it
-      outcome = link.average(outer_grad, weight, outer_step)   (blocks; time counted as blocked_s)
-      ok     -> global_params <- NesterovSGD(global_params, average); local_params <- global_params
-      failed -> if the swarm is ahead: download its state and rebase local progress onto it;
-                else keep local progress, which flows into the next round's outer gradient
+    loop (one inner step at a time):
+      inner AdamW step on this peer's shard; round_tokens += tokens
+      if the averaging started earlier has returned:
+          ok     -> global_params <- NesterovSGD(global_params, average)
+                    local_params  <- global_params + (local_params - snapshot)   # keep the work done meanwhile
+          failed -> nothing to undo: the progress stays in local_params and flows into the next outer gradient
+      if the swarm's round is over (its tokens reached the round's budget, or a deadline passed):
+          (wait for the previous averaging if it is still in flight: the only time compute waits)
+          catch up if the swarm moved on or holds other bytes for our outer step
+          snapshot = local_params; outer_grad = global_params - snapshot; weight = tokens behind it
+          start averaging outer_grad in the background, keep training
 
-A failed or partial round is a value handled in ``_finish_round``, never an exception unwinding the
+A failed or partial round is a value handled in ``_complete_averaging``, never an exception unwinding the
 loop. The learner talks to the swarm only through ``Link``; it does not know hivemind exists.
 """
 
@@ -17,8 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,14 +38,27 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class RoundWork:
-    """What one round of inner steps did."""
+class PendingAveraging:
+    """An averaging in flight: what was sent, and the local params it was computed from."""
+
+    future: Future
+    outer_step: int
+    weight: float
+    snapshot: list[torch.Tensor]
+    started: float = field(default_factory=time.monotonic)
+    traffic_before: tuple[int, int] = (0, 0)
+    steps_during: int = 0  # inner steps this peer ran while the averaging was in flight
+
+
+@dataclass
+class Interval:
+    """Work done between two metrics records."""
 
     inner_steps: int = 0
     tokens: int = 0
     loss_sum: float = 0.0
     compute_s: float = 0.0
-    interrupted: bool = False
+    blocked_s: float = 0.0
 
     @property
     def mean_loss(self) -> float | None:
@@ -61,16 +78,23 @@ class Learner:
         self.outer_step = 0
         self.global_sha256 = params_sha256(self.global_params)
         self.tokens_total = 0
-        self.tokens_since_sync = 0  # tokens behind the current outer gradient (its averaging weight)
+        self.tokens_unsynced = 0  # tokens of local progress not yet merged into the global params
+        self.round_tokens = 0  # tokens this peer processed in the swarm's current round
+        self.round_started = time.monotonic()
         self.steps_into_round = 0
-        self.round_budget = config.inner.inner_steps
         self.compute_s = self.blocked_s = 0.0
-        self.catch_ups = 0
-        self.forks_healed = 0
+        self.catch_ups = self.forks_healed = 0
         self.peer_id = "?"
+        self.pending: PendingAveraging | None = None
+        self.interval = Interval()
         self._state_lock = threading.Lock()  # guards global state against a concurrent state download
         self._eval_batches = dataset.eval_batches(config.run.eval_batches)
         self._started = time.monotonic()
+
+    @property
+    def round_index(self) -> int:
+        """The round our current tokens count towards: the next outer step, plus one while averaging."""
+        return self.outer_step + (1 if self.pending is not None else 0)
 
     # served to peers that download our state (called from a background thread)
     def state_for_peers(self) -> tuple[dict, list[torch.Tensor]]:
@@ -86,33 +110,20 @@ class Learner:
         return metadata, tensors
 
     def run(self, link: Link) -> None:
-        """Train until max_outer_steps, max_time_s or ``stop``; writes one metrics record per round."""
+        """Train until max_outer_steps, max_time_s or ``stop``; writes one metrics record per outer step."""
         self._started = time.monotonic()
         self.peer_id = link.peer_id
-        self.metrics.write(self._record(link, AveragingOutcome(None, (), 0.0, "init"), RoundWork(), 0.0, (0, 0)))
-        link.publish(outer_step=self.outer_step, global_sha256=self.global_sha256, tokens=0)
+        self._write(link, AveragingOutcome(None, (), 0.0, "init"))
+        self._publish_step(link)
         self._catch_up(link)
+        self.round_started = time.monotonic()
         try:
             while not self._should_stop():
-                work = self._train_round(link)
-                if work.interrupted:
-                    break
-                # before averaging: if the swarm moved on, or another group averaged our last outer step to
-                # other bytes (a fork), take the swarm's state now; our progress is rebased onto it
-                self._catch_up(link)
-                outer_grads = [g - p.detach() for g, p in zip(self.global_params, self.params)]
-                traffic_before = link.traffic()
-                started = time.monotonic()
-                weight = float(self.tokens_since_sync)
-                outcome = link.average(outer_grads, weight=weight, outer_step=self.outer_step)
-                blocked_s = time.monotonic() - started
-                self._finish_round(link, outcome)
-                self.blocked_s += time.monotonic() - started
-                traffic = tuple(after - before for after, before in zip(link.traffic(), traffic_before))
-                self.metrics.write(self._record(link, outcome, work, blocked_s, traffic, weight))
-                if self.config.run.checkpoint_dir and outcome.averaged is not None:
-                    if self.outer_step % self.config.run.checkpoint_every == 0:
-                        self.save_checkpoint()
+                self._inner_step(link)
+                if self.pending is not None and self.pending.future.done():
+                    self._complete_averaging(link)
+                if not self._should_stop() and self._round_is_over(link):
+                    self._end_round(link)
         finally:
             if self.config.run.checkpoint_dir:
                 self.save_checkpoint()
@@ -125,63 +136,108 @@ class Learner:
             return True
         return self.stop.is_set()
 
-    def _train_round(self, link: Link) -> RoundWork:
-        work = RoundWork()
+    def _inner_step(self, link: Link) -> None:
+        started = time.monotonic()
         self.model.train()
-        for _ in range(self.round_budget):
-            if self._should_stop():
-                work.interrupted = True
-                break
+        inputs, targets = self.dataset.train.next_batch()
+        loss = self.model(inputs, targets)
+        self.inner.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.config.inner.grad_clip_norm:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.inner.grad_clip_norm)
+        self.inner.step()
+        if self.config.inner.throttle > 1:  # emulate older hardware: each step takes `throttle` times as long
+            time.sleep((self.config.inner.throttle - 1) * (time.monotonic() - started))
+        elapsed = time.monotonic() - started
+        tokens = inputs.numel()
+        self.compute_s += elapsed
+        self.tokens_total += tokens
+        self.tokens_unsynced += tokens
+        self.round_tokens += tokens
+        self.steps_into_round += 1
+        self.interval.inner_steps += 1
+        self.interval.tokens += tokens
+        self.interval.loss_sum += loss.item()
+        self.interval.compute_s += elapsed
+        if self.pending is not None:
+            self.pending.steps_during += 1
+        link.publish(round=self.round_index, round_tokens=self.round_tokens, tokens=self.tokens_total)
+
+    def _round_budget_tokens(self, live_peers: int) -> int:
+        """The swarm-wide tokens of one round: configured, or H steps of this peer's batch per live peer."""
+        configured = self.config.inner.tokens_per_round
+        per_peer = self.config.inner.inner_steps * self.dataset.train.tokens_per_batch
+        return configured or per_peer * (1 + live_peers)
+
+    def _round_is_over(self, link: Link) -> bool:
+        """The swarm's round ends when its tokens reach the budget, someone already moved on, or at the deadline."""
+        view = link.round_view(self.round_index)
+        if view.peers_ahead:
+            return True
+        if view.tokens_by_others + self.round_tokens >= self._round_budget_tokens(view.live_peers):
+            return True
+        deadline_s = self.config.inner.round_deadline_s
+        return bool(deadline_s) and time.monotonic() - self.round_started >= deadline_s
+
+    def _end_round(self, link: Link) -> None:
+        if self.pending is not None:  # the previous averaging is still in flight: the only wait in the loop
             started = time.monotonic()
-            inputs, targets = self.dataset.train.next_batch()
-            loss = self.model(inputs, targets)
-            self.inner.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.config.inner.grad_clip_norm:
-                torch.nn.utils.clip_grad_norm_(self.params, self.config.inner.grad_clip_norm)
-            self.inner.step()
-            work.compute_s += time.monotonic() - started
-            work.inner_steps += 1
-            work.tokens += inputs.numel()
-            work.loss_sum += loss.item()
-            self.steps_into_round += 1
-            link.publish(steps_into_round=self.steps_into_round, tokens=self.tokens_total + work.tokens)
-        self.compute_s += work.compute_s
-        self.tokens_total += work.tokens
-        self.tokens_since_sync += work.tokens
-        return work
+            self.pending.future.result()
+            self._add_blocked(time.monotonic() - started)
+            self._complete_averaging(link)
+            if self._should_stop():
+                return
+        # if the swarm moved on, or another group averaged our last outer step to other bytes (a fork),
+        # take the swarm's state now; our progress is rebased onto it
+        self._catch_up(link)
+        snapshot = [p.detach().clone() for p in self.params]
+        outer_grads = [g - s for g, s in zip(self.global_params, snapshot)]
+        weight = float(self.tokens_unsynced)
+        traffic_before = link.traffic()
+        future = link.average_async(outer_grads, weight=weight, outer_step=self.outer_step)
+        self.pending = PendingAveraging(future, self.outer_step, weight, snapshot, traffic_before=traffic_before)
+        self.round_tokens, self.steps_into_round = 0, 0
+        self.round_started = time.monotonic()
+        if future.done():  # a swarm of one answers at once
+            self._complete_averaging(link)
 
-    def _finish_round(self, link: Link, outcome: AveragingOutcome) -> None:
-        """The one place where a round's outcome, good or bad, is turned into state."""
+    def _complete_averaging(self, link: Link) -> None:
+        """The one place where an averaging's outcome, good or bad, is turned into state."""
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        outcome: AveragingOutcome = pending.future.result()
+        if outcome.averaged is not None and pending.outer_step == self.outer_step:
+            with self._state_lock:
+                self.outer.step(outcome.averaged)
+                self.outer_step += 1
+                self.global_sha256 = params_sha256(self.global_params)
+            with torch.no_grad():  # local_params <- new_global + (local_params - snapshot): keep the work done since
+                for param, global_param, snapshot in zip(self.params, self.global_params, pending.snapshot):
+                    param.add_(global_param - snapshot)
+            self.tokens_unsynced -= int(pending.weight)
+            self._publish_step(link)
+        else:
+            logger.warning("outer step %d: averaging failed (%s: %s)", pending.outer_step, outcome.status, outcome.reason)
+        traffic = [after - before for after, before in zip(link.traffic(), pending.traffic_before)]
+        self._write(link, outcome, pending, traffic)
         if outcome.averaged is None:
-            logger.warning("outer step %d: round failed (%s: %s)", self.outer_step, outcome.status, outcome.reason)
-            self._catch_up(link)  # if nobody advanced, local progress simply carries into the next round
-            return
-        self._apply_average(link, outcome.averaged)
-
-    def _apply_average(self, link: Link, averaged: list[torch.Tensor]) -> None:
-        with self._state_lock:
-            self.outer.step(averaged)
-            self.outer_step += 1
-            self.global_sha256 = params_sha256(self.global_params)
-            self.steps_into_round = 0
-        with torch.no_grad():
-            for param, global_param in zip(self.params, self.global_params):
-                param.copy_(global_param)
-        self.tokens_since_sync = 0
-        self.round_budget = self.config.inner.inner_steps
-        link.publish(outer_step=self.outer_step, global_sha256=self.global_sha256, steps_into_round=0)
+            self._catch_up(link)  # if nobody advanced, our progress simply flows into the next outer gradient
+        if self.config.run.checkpoint_dir and outcome.averaged is not None:
+            if self.outer_step % self.config.run.checkpoint_every == 0:
+                self.save_checkpoint()
 
     def _catch_up(self, link: Link) -> bool:
         """If the swarm is ahead, or holds other bytes for our outer step (a fork: two groups averaged the
         same step apart), download its verified state and rebase local progress onto it."""
+        if self.pending is not None:
+            return False  # never while our own averaging is in flight: its result is still to be applied
         behind = link.swarm_outer_step() > self.outer_step
         forked = not behind and link.canonical_sha(self.outer_step, self.global_sha256) != self.global_sha256
         if not (behind or forked):
             return False
         started = time.monotonic()
         state = link.download_state(len(self.params))
-        self.blocked_s += time.monotonic() - started
+        self._add_blocked(time.monotonic() - started)
         newer = state is not None and (
             state.outer_step > self.outer_step
             or (forked and state.outer_step == self.outer_step and state.global_sha256 != self.global_sha256)
@@ -196,18 +252,25 @@ class Learner:
                 old.copy_(new)
             self.outer.load_state(state.momentum, state.outer_steps_taken)
             self.outer_step, self.global_sha256 = state.outer_step, state.global_sha256
-            self.steps_into_round = state.steps_into_round
-        # finish the swarm's current round with it rather than starting a whole new one
-        self.round_budget = max(1, self.config.inner.inner_steps - state.steps_into_round)
         self.catch_ups += 1
         self.forks_healed += int(forked)
-        logger.info("%s outer step %d in %.2f s", "healed a fork at" if forked else "caught up to", self.outer_step,
-                    time.monotonic() - started)
-        link.publish(outer_step=self.outer_step, global_sha256=self.global_sha256)
+        logger.info(
+            "%s outer step %d in %.2f s",
+            "healed a fork at" if forked else "caught up to",
+            self.outer_step,
+            time.monotonic() - started,
+        )
+        self._publish_step(link)
         status = "fork_healed" if forked else "caught_up"
-        reason = f"downloaded from {state.donor}"
-        self.metrics.write(self._record(link, AveragingOutcome(None, (), 0.0, status, reason), RoundWork(), 0.0, (0, 0)))
+        self._write(link, AveragingOutcome(None, (), 0.0, status, f"downloaded from {state.donor}"))
         return True
+
+    def _add_blocked(self, seconds: float) -> None:
+        self.blocked_s += seconds
+        self.interval.blocked_s += seconds
+
+    def _publish_step(self, link: Link) -> None:
+        link.publish(outer_step=self.outer_step, global_sha256=self.global_sha256, round=self.round_index)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -216,42 +279,47 @@ class Learner:
         self.model.train()
         return sum(losses) / len(losses)
 
-    def _record(
+    def _write(
         self,
         link: Link,
         outcome: AveragingOutcome,
-        work: RoundWork,
-        blocked_s: float,
-        traffic: Sequence[int],
-        weight: float = 0.0,
-    ) -> dict:
-        evaluate = outcome.status == "init" or self.outer_step % self.config.run.eval_every == 0
+        pending: PendingAveraging | None = None,
+        traffic: list[int] | None = None,
+    ) -> None:
+        evaluate = outcome.status == "init" or (outcome.averaged is not None and self.outer_step % self.config.run.eval_every == 0)
         elapsed = time.monotonic() - self._started
-        return dict(
-            peer_id=link.peer_id,
-            outer_step=self.outer_step,
-            status=outcome.status,
-            reason=outcome.reason,
-            time_s=round(elapsed, 3),
-            tokens=self.tokens_total,
-            round_tokens=work.tokens,
-            inner_steps=work.inner_steps,
-            loss=work.mean_loss,
-            eval_loss=self.evaluate() if evaluate else None,
-            group_size=len(outcome.peers),
-            peers=list(outcome.peers),
-            weight=weight,  # tokens behind the outer gradient sent this round (this and any failed rounds)
-            weight_total=outcome.weight_total,
-            bytes_sent=int(traffic[0]),
-            bytes_received=int(traffic[1]),
-            compute_s=round(self.compute_s, 4),
-            blocked_s=round(self.blocked_s, 4),
-            round_compute_s=round(work.compute_s, 4),
-            round_blocked_s=round(blocked_s, 4),
-            tokens_per_s=round(self.tokens_total / elapsed, 1) if elapsed > 0 else 0.0,
-            catch_ups=self.catch_ups,
-            forks_healed=self.forks_healed,
-            global_sha256=self.global_sha256,
+        interval, self.interval = self.interval, Interval()
+        weight = pending.weight if pending else 0.0
+        self.metrics.write(
+            dict(
+                peer_id=link.peer_id,
+                outer_step=self.outer_step,
+                status=outcome.status,
+                reason=outcome.reason,
+                time_s=round(elapsed, 3),
+                tokens=self.tokens_total,
+                interval_tokens=interval.tokens,
+                inner_steps=interval.inner_steps,
+                loss=interval.mean_loss,
+                eval_loss=self.evaluate() if evaluate else None,
+                group_size=len(outcome.peers),
+                peers=list(outcome.peers),
+                weight=weight,  # tokens behind the outer gradient this peer sent
+                weight_total=outcome.weight_total,
+                weight_share=round(weight / outcome.weight_total, 4) if outcome.weight_total else None,
+                bytes_sent=int(traffic[0]) if traffic else 0,
+                bytes_received=int(traffic[1]) if traffic else 0,
+                averaging_s=round(time.monotonic() - pending.started, 3) if pending else None,
+                steps_during_averaging=pending.steps_during if pending else 0,
+                compute_s=round(self.compute_s, 4),
+                blocked_s=round(self.blocked_s, 4),
+                interval_compute_s=round(interval.compute_s, 4),
+                interval_blocked_s=round(interval.blocked_s, 4),
+                tokens_per_s=round(self.tokens_total / elapsed, 1) if elapsed > 0 else 0.0,
+                catch_ups=self.catch_ups,
+                forks_healed=self.forks_healed,
+                global_sha256=self.global_sha256,
+            )
         )
 
     def save_checkpoint(self) -> None:

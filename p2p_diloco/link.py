@@ -8,6 +8,7 @@ swarm of one: no sockets, the same code path (invariant 6).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,10 +41,23 @@ class SwarmState:
     donor: str
 
 
+@dataclass(frozen=True)
+class RoundView:
+    """What this peer knows of the swarm's current round (from progress records a second or two old)."""
+
+    live_peers: int  # other peers whose progress record is fresh
+    tokens_by_others: int  # tokens the other peers report for this round
+    peers_ahead: int  # other peers already past this round: the round is over
+
+
 class Link(Protocol):
     peer_id: str
 
     def average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome: ...
+
+    def average_async(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> Future: ...
+
+    def round_view(self, round_index: int) -> RoundView: ...
 
     def swarm_outer_step(self) -> int: ...
 
@@ -63,7 +77,19 @@ def codec_round_trip(codec: Codec, tensors: Sequence[torch.Tensor]) -> list[torc
     return [codec.decode(codec.encode(t.reshape(-1)), t.numel()).reshape(t.shape) for t in tensors]
 
 
-class LocalLink:
+class ImmediateAveraging:
+    """``average_async`` for links whose ``average`` answers at once: a future that is already done."""
+
+    def average_async(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> Future:
+        future: Future = Future()
+        future.set_result(self.average(tensors, weight, outer_step))  # type: ignore[attr-defined]
+        return future
+
+    def round_view(self, round_index: int) -> RoundView:
+        return RoundView(live_peers=0, tokens_by_others=0, peers_ahead=0)
+
+
+class LocalLink(ImmediateAveraging):
     """A swarm of exactly one peer, in process."""
 
     peer_id = "local"

@@ -15,15 +15,16 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import torch
 from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from p2p_diloco.averaging import DilocoAverager, WireCodec, run_averaging
-from p2p_diloco.compression import make_codec
+from p2p_diloco.compression import ErrorFeedback, make_codec
 from p2p_diloco.config import SwarmConfig
-from p2p_diloco.link import AveragingOutcome, SwarmState, codec_round_trip
+from p2p_diloco.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
 from p2p_diloco.outer import params_sha256
 
 logger = logging.getLogger(__name__)
@@ -74,10 +75,13 @@ def _first_line(error: BaseException) -> str:
 
 
 class ProgressBeacon:
-    """Publishes this peer's latest progress record in the DHT every ``period_s`` from a daemon thread."""
+    """Every ``period_s``, from a daemon thread: publishes this peer's latest progress record in the DHT and
+    reads the other peers' records, so the training loop never waits on the DHT to know where the swarm is."""
 
-    def __init__(self, dht: DHT, key: str, period_s: float, ttl_s: float):
+    def __init__(self, dht: DHT, key: str, period_s: float, ttl_s: float, read_peers: Callable[[], dict[str, dict]]):
         self._dht, self._key, self._period_s, self._ttl_s = dht, key, period_s, ttl_s
+        self._read_peers = read_peers
+        self.peers: dict[str, dict] = {}  # the other peers' records as of the last period (read by the learner)
         self._record: dict = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -105,8 +109,9 @@ class ProgressBeacon:
         while not self._stop.wait(self._period_s):
             try:
                 self.publish_now()
+                self.peers = self._read_peers()
             except Exception as e:  # a DHT hiccup must not kill the beacon
-                logger.debug("progress publish failed: %r", e)
+                logger.debug("progress exchange failed: %r", e)
 
     def close(self) -> None:
         self._stop.set()
@@ -127,6 +132,7 @@ class SwarmLink:
         self.peer_id = self.dht.peer_id.to_base58()
         self._progress_key = f"{config.run_id}.progress"
         self.codec = make_codec(config.compression)
+        self._error_feedback = ErrorFeedback(self.codec) if config.compression == "int4" else None
         self._averager: DilocoAverager | None = None
         self._beacon: ProgressBeacon | None = None
         previous_sigint = signal.getsignal(signal.SIGINT)
@@ -146,7 +152,9 @@ class SwarmLink:
                 declare_state_period=config.progress_period_s * 2,
                 shutdown_timeout=5,
             )
-            self._beacon = ProgressBeacon(self.dht, self._progress_key, config.progress_period_s, config.progress_ttl_s)
+            self._beacon = ProgressBeacon(
+                self.dht, self._progress_key, config.progress_period_s, config.progress_ttl_s, self.live_peers
+            )
         except BaseException:
             self.close()
             raise
@@ -207,10 +215,41 @@ class SwarmLink:
         Peers that are alive but behind are waited for (they catch up by downloading state and join this
         outer step), so that a fast peer never runs off on its own while others are there.
         """
+        residual = None
+        if self._error_feedback is not None:
+            tensors, residual = self._error_feedback.prepare(list(tensors))
         if not self.live_peers():
-            return self.average_alone(tensors, weight)
-        assert self._averager is not None
-        return run_averaging(self._averager, tensors, weight, outer_step, self.config.averaging_timeout_s)
+            outcome = self.average_alone(tensors, weight)
+        else:
+            assert self._averager is not None
+            outcome = run_averaging(self._averager, tensors, weight, outer_step, self.config.averaging_timeout_s)
+        if residual is not None and outcome.averaged is not None:
+            self._error_feedback.commit(residual)
+        return outcome
+
+    def average_async(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> Future:
+        """Start averaging in a background thread and return at once; the future holds the outcome."""
+        future: Future = Future()
+        tensors = [t.detach().clone() for t in tensors]
+
+        def work() -> None:
+            try:
+                future.set_result(self.average(tensors, weight, outer_step))
+            except Exception as e:  # a bug, not a network failure: report it as a failed round, loudly
+                logger.exception("averaging crashed")
+                future.set_result(AveragingOutcome(None, (), 0.0, "error", f"{type(e).__name__}: {e}"))
+
+        threading.Thread(target=work, name=f"averaging-{outer_step}", daemon=True).start()
+        return future
+
+    def round_view(self, round_index: int) -> RoundView:
+        assert self._beacon is not None
+        peers = list(self._beacon.peers.values())
+        return RoundView(
+            live_peers=len(peers),
+            tokens_by_others=sum(int(r.get("round_tokens", 0)) for r in peers if r.get("round") == round_index),
+            peers_ahead=sum(int(r.get("round", -1)) > round_index for r in peers),
+        )
 
     def average_alone(self, tensors: Sequence[torch.Tensor], weight: float) -> AveragingOutcome:
         # a group of one still goes through the codec, exactly as its own reducer would encode the result

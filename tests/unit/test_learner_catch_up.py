@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 
 from p2p_diloco.config import InnerConfig
-from p2p_diloco.learner import Learner
-from p2p_diloco.link import AveragingOutcome, SwarmState
+from p2p_diloco.learner import Learner, PendingAveraging
+from p2p_diloco.link import AveragingOutcome, ImmediateAveraging, SwarmState
 from p2p_diloco.metrics import NullSink
 from p2p_diloco.outer import params_sha256
 
 from .helpers import assert_all_close, make_dataset, snapshot
 
-H = 4
+H, BATCH = 4, 2
+LOCAL_STEPS = 2  # inner steps of local progress before the swarm's state arrives
 
 
-class AheadLink:
-    """A fake swarm that is at ``swarm_step`` and serves ``state`` (None = the download fails)."""
+class AheadLink(ImmediateAveraging):
+    """A fake swarm that is at ``swarm_step`` and serves ``state`` (None = the download fails).
+
+    A group of one if asked to average: it records the call and returns the tensors it got."""
 
     peer_id = "fake"
 
@@ -26,9 +30,11 @@ class AheadLink:
         self.swarm_step, self.state = swarm_step, state
         self.downloads = 0
         self.published: list[dict] = []
+        self.averaged: list[dict] = []
 
     def average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
-        raise AssertionError("catch-up must not average")
+        self.averaged.append(dict(tensors=snapshot(tensors), weight=weight, outer_step=outer_step))
+        return AveragingOutcome(snapshot(tensors), (self.peer_id,), weight, "ok")
 
     def swarm_outer_step(self) -> int:
         return self.swarm_step
@@ -51,11 +57,15 @@ class AheadLink:
 
 
 def _learner_with_local_progress(make_config) -> Learner:
-    config = make_config(inner=InnerConfig(inner_steps=H, batch_size=2, lr=1e-2))
+    config = make_config(inner=InnerConfig(inner_steps=H, batch_size=BATCH, lr=1e-2))
     learner = Learner(config, make_dataset(config), metrics=NullSink())
-    learner.round_budget = 2
-    learner._train_round(AheadLink(-1, None))  # two inner steps: local params now differ from global
-    assert learner.steps_into_round == 2
+    link = AheadLink(-1, None)
+    for _ in range(LOCAL_STEPS):  # local params now differ from global
+        learner._inner_step(link)
+    assert learner.steps_into_round == LOCAL_STEPS
+    assert learner.round_tokens == learner.tokens_unsynced == LOCAL_STEPS * BATCH * config.model.seq_len
+    assert not learner._round_is_over(link)
+    assert link.downloads == 0 and not link.averaged
     assert any(not torch.equal(p, g) for p, g in zip(learner.params, learner.global_params, strict=True))
     return learner
 
@@ -78,13 +88,14 @@ def _swarm_state(learner: Learner, outer_step: int, steps_into_round: int) -> Sw
 def test_catch_up_takes_the_swarm_state_and_rebases_local_progress(make_config):
     learner = _learner_with_local_progress(make_config)
     old_global, old_local = snapshot(learner.global_params), snapshot(learner.params)
+    round_tokens, unsynced = learner.round_tokens, learner.tokens_unsynced
     state = _swarm_state(learner, outer_step=7, steps_into_round=3)
     expected_global, expected_momentum = snapshot(state.global_params), snapshot(state.momentum)
     link = AheadLink(7, state)
 
     assert learner._catch_up(link) is True
 
-    assert link.downloads == 1
+    assert link.downloads == 1 and not link.averaged
     assert_all_close(learner.global_params, expected_global, rtol=0, atol=0)  # exactly the downloaded bytes
     assert learner.global_sha256 == state.global_sha256 == params_sha256(learner.global_params)
     assert learner.outer_step == 7
@@ -94,22 +105,24 @@ def test_catch_up_takes_the_swarm_state_and_rebases_local_progress(make_config):
     expected_local = [n + (lo - og) for n, lo, og in zip(expected_global, old_local, old_global, strict=True)]
     assert_all_close(learner.params, expected_local)
     assert_all_close(list(learner.model.parameters()), expected_local)
-    # it finishes the swarm's current round rather than starting a new one
-    assert learner.steps_into_round == 3
-    assert learner.round_budget == H - 3
-    assert learner.catch_ups == 1
-    assert link.published[-1] == dict(outer_step=7, global_sha256=state.global_sha256)
+    # rounds are swarm-wide token budgets: catching up neither shortens nor restarts this peer's round,
+    # and the rebased progress still counts as unsynced
+    assert learner.steps_into_round == LOCAL_STEPS
+    assert learner.round_tokens == round_tokens and learner.tokens_unsynced == unsynced
+    assert learner.catch_ups == 1 and learner.forks_healed == 0
+    assert learner.pending is None and learner.round_index == 7
+    assert link.published[-1] == dict(outer_step=7, global_sha256=state.global_sha256, round=7)
 
 
 def test_global_params_do_not_alias_the_downloaded_tensors(make_config):
     learner = _learner_with_local_progress(make_config)
     state = _swarm_state(learner, outer_step=2, steps_into_round=0)
-    learner._catch_up(AheadLink(2, state))
-    before = snapshot(learner.global_params)
-    for tensor in state.global_params:
+    assert learner._catch_up(AheadLink(2, state)) is True
+    before, momentum_before = snapshot(learner.global_params), snapshot(learner.outer.state_tensors())
+    for tensor in [*state.global_params, *state.momentum]:
         tensor.add_(1.0)
     assert_all_close(learner.global_params, before, rtol=0, atol=0)
-    assert learner.round_budget == H
+    assert_all_close(learner.outer.state_tensors(), momentum_before, rtol=0, atol=0)
 
 
 def test_no_download_when_the_swarm_is_not_ahead(make_config):
@@ -133,3 +146,33 @@ def test_failed_or_stale_download_changes_nothing(make_config):
     assert learner.outer_step == 0 and learner.catch_ups == 0 and learner.global_sha256 == old_sha
     assert_all_close(learner.global_params, old_global, rtol=0, atol=0)
     assert_all_close(learner.params, old_local, rtol=0, atol=0)
+
+
+def test_no_catch_up_while_an_averaging_is_in_flight(make_config):
+    """Its result is still to be applied to the global params it was computed against."""
+    learner = _learner_with_local_progress(make_config)
+    old_global, old_local = snapshot(learner.global_params), snapshot(learner.params)
+    learner.pending = PendingAveraging(Future(), outer_step=0, weight=1.0, snapshot=snapshot(learner.params))
+    link = AheadLink(5, _swarm_state(learner, outer_step=5, steps_into_round=0))
+    assert learner._catch_up(link) is False
+    assert link.downloads == 0 and learner.outer_step == 0
+    assert_all_close(learner.global_params, old_global, rtol=0, atol=0)
+    assert_all_close(learner.params, old_local, rtol=0, atol=0)
+
+
+def test_round_end_catches_up_before_taking_the_outer_gradient(make_config):
+    """The outer gradient sent after a catch-up is the same local progress, measured from the swarm's params."""
+    learner = _learner_with_local_progress(make_config)
+    old_global, old_local, unsynced = snapshot(learner.global_params), snapshot(learner.params), learner.tokens_unsynced
+    state = _swarm_state(learner, outer_step=4, steps_into_round=0)
+    link = AheadLink(4, state)
+
+    learner._end_round(link)
+
+    assert link.downloads == 1 and learner.catch_ups == 1
+    assert len(link.averaged) == 1
+    call = link.averaged[0]
+    assert call["outer_step"] == 4 and call["weight"] == float(unsynced)
+    assert_all_close(call["tensors"], [g - lo for g, lo in zip(old_global, old_local, strict=True)])
+    assert learner.outer_step == 5 and learner.pending is None  # the group of one answered at once
+    assert learner.tokens_unsynced == 0 and learner.round_tokens == 0 and learner.steps_into_round == 0

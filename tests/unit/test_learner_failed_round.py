@@ -8,7 +8,7 @@ import torch
 
 from p2p_diloco.config import InnerConfig, OuterConfig, RunConfig
 from p2p_diloco.learner import Learner
-from p2p_diloco.link import AveragingOutcome, SwarmState
+from p2p_diloco.link import AveragingOutcome, ImmediateAveraging, SwarmState
 from p2p_diloco.metrics import NullSink
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import params_sha256
@@ -19,7 +19,7 @@ H, BATCH = 2, 2
 FAILED = AveragingOutcome(None, (), 0.0, "partial", "a groupmate dropped out")
 
 
-class FlakyLink:
+class FlakyLink(ImmediateAveraging):
     """A fake swarm of one whose first ``failures`` averaging rounds fail; later ones return the input unchanged."""
 
     peer_id = "fake"
@@ -81,20 +81,26 @@ def test_failed_round_keeps_global_state_and_local_progress(make_config):
     config = _config(make_config)
     learner = Learner(config, make_dataset(config), metrics=NullSink())
     link = FlakyLink(failures=1)
-    work = learner._train_round(link)
+    for _ in range(H):
+        learner._inner_step(link)
+    assert learner._round_is_over(link)  # H steps of this peer's batch: the budget of a swarm of one
+    round_tokens = H * BATCH * config.model.seq_len
     global_before, local_before = snapshot(learner.global_params), snapshot(learner.params)
     sha_before, momentum_before = learner.global_sha256, snapshot(learner.outer.state_tensors())
 
-    learner._finish_round(link, FAILED)
+    learner._end_round(link)  # the group of one answers at once, with a failure
 
+    assert [c["weight"] for c in link.calls] == [float(round_tokens)]
+    assert learner.pending is None
     assert learner.outer_step == 0 and learner.outer.steps_taken == 0
     assert learner.global_sha256 == sha_before == params_sha256(learner.global_params)
     assert_all_close(learner.global_params, global_before, rtol=0, atol=0)
     assert_all_close(learner.outer.state_tensors(), momentum_before, rtol=0, atol=0)
     assert_all_close(learner.params, local_before, rtol=0, atol=0)  # not reset to the global params
     assert any(not torch.equal(p, g) for p, g in zip(learner.params, learner.global_params, strict=True))
-    assert learner.tokens_since_sync == work.tokens == H * BATCH * config.model.seq_len
-    assert learner.steps_into_round == H
+    # the tokens stay unsynced, to weigh the next outer gradient; a new round has begun
+    assert learner.tokens_unsynced == learner.tokens_total == round_tokens
+    assert learner.round_tokens == 0 and learner.steps_into_round == 0
 
 
 def test_next_successful_round_carries_both_rounds_of_tokens_and_progress(make_config):
@@ -115,6 +121,8 @@ def test_next_successful_round_carries_both_rounds_of_tokens_and_progress(make_c
     # then one Nesterov step from the init: the first step moves by lr * (1 + mu) * grad
     expected_global = [i - 0.7 * 1.9 * g for i, g in zip(initial, link.calls[1]["tensors"], strict=True)]
     assert learner.outer_step == 1
+    assert learner.dataset.train.position == 2 * H
     assert_all_close(learner.global_params, expected_global)
-    assert_all_close(learner.params, learner.global_params, rtol=0, atol=0)  # synced after success
-    assert learner.tokens_since_sync == 0 and learner.tokens_total == 2 * round_tokens
+    # synced after success: local <- new_global + (local - snapshot), and no step ran since the snapshot
+    assert_all_close(learner.params, learner.global_params)
+    assert learner.tokens_unsynced == 0 and learner.tokens_total == 2 * round_tokens
