@@ -29,6 +29,9 @@ _FLAG_FIELDS = {
     "chunk_timeout_s": ("swarm", "chunk_timeout_s"),
     "state_timeout_s": ("swarm", "state_timeout_s"),
     "inner_steps": ("inner", "inner_steps"),
+    "tokens_per_round": ("inner", "tokens_per_round"),
+    "round_deadline_s": ("inner", "round_deadline_s"),
+    "throttle": ("inner", "throttle"),
     "batch_size": ("inner", "batch_size"),
     "inner_lr": ("inner", "lr"),
     "outer_lr": ("outer", "lr"),
@@ -66,13 +69,16 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     swarm.add_argument("--host-maddrs", nargs="+", default=s, metavar="MULTIADDR", help="where to listen (default /ip4/0.0.0.0/tcp/0: all interfaces, any free port)")
     swarm.add_argument("--announce-maddrs", nargs="+", default=s, metavar="MULTIADDR", help="addresses to advertise to other peers, e.g. your public IP and port")
     swarm.add_argument("--identity", default=s, metavar="PATH", help="private key file that makes the peer id stable across restarts (created if missing)")
-    swarm.add_argument("--compression", choices=COMPRESSIONS, default=s, help=f"outer gradient codec on the wire: none (fp32, 4 B/value), fp16 (2 B/value), int8 (blockwise 8-bit, ~1 B/value) (default {d.swarm.compression})")
+    swarm.add_argument("--compression", choices=COMPRESSIONS, default=s, help=f"outer gradient codec on the wire: none (fp32, 4 B/value), fp16 (2 B/value), int8 (blockwise 8-bit, ~1 B/value), int4 (NF4 with error feedback, ~0.56 B/value) (default {d.swarm.compression})")
     swarm.add_argument("--matchmaking-time-s", type=float, default=s, help=f"seconds a ready peer waits for others to join its averaging group (default {d.swarm.matchmaking_time_s})")
     swarm.add_argument("--averaging-timeout-s", type=float, default=s, help=f"seconds after which a round's averaging is abandoned (default {d.swarm.averaging_timeout_s})")
     swarm.add_argument("--chunk-timeout-s", type=float, default=s, help=f"seconds of silence after which a groupmate is dropped from an all-reduce (default {d.swarm.chunk_timeout_s})")
     swarm.add_argument("--state-timeout-s", type=float, default=s, help=f"seconds allowed for downloading the swarm's state (default {d.swarm.state_timeout_s})")
     train = parser.add_argument_group("training")
-    train.add_argument("--inner-steps", type=int, default=s, metavar="H", help=f"inner AdamW steps per outer round (default {d.inner.inner_steps})")
+    train.add_argument("--inner-steps", type=int, default=s, metavar="H", help=f"inner AdamW steps per peer per outer round at equal speeds; sets the default round budget (default {d.inner.inner_steps})")
+    train.add_argument("--tokens-per-round", type=int, default=s, help="tokens the whole swarm processes per outer round (default 0: H x batch tokens x live peers); a fast peer simply contributes more of them")
+    train.add_argument("--round-deadline-s", type=float, default=s, help="a round ends at the latest this many seconds after it began (default 0: none)")
+    train.add_argument("--throttle", type=float, default=s, help="slow this peer's inner steps F-fold by sleeping, to emulate older hardware (default 1)")
     train.add_argument("--batch-size", type=int, default=s, help=f"sequences per inner step (default {d.inner.batch_size})")
     train.add_argument("--seq-len", type=int, default=s, help=f"tokens (bytes) per sequence (default {d.model.seq_len})")
     train.add_argument("--inner-lr", type=float, default=s, help=f"AdamW learning rate (default {d.inner.lr})")

@@ -104,7 +104,7 @@ class SwarmConfig:
     announce_maddrs: tuple[str, ...] = ()  # addresses to advertise to others (e.g. a public IP)
     identity_path: str | None = None  # private key file for a stable peer id; created if missing
     compression: str = "int8"  # outer gradient codec: none, fp16, int8 (blockwise) or int4 (nf4, error feedback)
-    matchmaking_time_s: float = 3.0  # how long a ready peer waits for others to join its group
+    matchmaking_time_s: float = 5.0  # how long a ready peer waits for others to join its group (in the background)
     averaging_timeout_s: float = 60.0  # give up on a round's averaging after this long
     chunk_timeout_s: float = 5.0  # a groupmate silent this long in an all-reduce is dropped from it
     state_timeout_s: float = 60.0  # bound on one state download from a peer

@@ -274,8 +274,14 @@ class Learner:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Held-out loss of the *global* params (the model the swarm shares), not of our local progress."""
+        names = [name for name, _ in self.model.named_parameters()]
+        weights = dict(zip(names, self.global_params))
         self.model.eval()
-        losses = [self.model(inputs, targets).item() for inputs, targets in self._eval_batches]
+        losses = [
+            torch.func.functional_call(self.model, weights, (inputs, targets)).item()
+            for inputs, targets in self._eval_batches
+        ]
         self.model.train()
         return sum(losses) / len(losses)
 

@@ -220,14 +220,14 @@ def test_round_end_waits_for_the_averaging_still_in_flight(make_config):
         learner._inner_step(link)
     first = learner.pending
     outcome = AveragingOutcome(_known_average(learner), ("fake",), first.weight, "ok")
-    timer = threading.Timer(0.05, first.future.set_result, args=(outcome,))
+    timer = threading.Timer(0.2, first.future.set_result, args=(outcome,))
     timer.start()
     try:
         learner._end_round(link)
     finally:
         timer.join()
 
-    assert learner.outer_step == 1 and learner.blocked_s >= 0.04
+    assert learner.outer_step == 1 and learner.blocked_s >= 0.1
     assert len(link.calls) == 2 and link.calls[1]["outer_step"] == 1
     assert link.calls[1]["weight"] == float(H * BATCH_TOKENS)
     assert learner.pending is not None and learner.pending.outer_step == 1 and learner.round_index == 2
@@ -328,12 +328,12 @@ def test_configured_tokens_per_round_replace_the_default_budget(make_config):
 
 
 def test_round_ends_at_the_deadline(make_config):
-    config = _config(make_config, inner=InnerConfig(inner_steps=1000, batch_size=BATCH, round_deadline_s=0.05))
+    config = _config(make_config, inner=InnerConfig(inner_steps=1000, batch_size=BATCH, round_deadline_s=0.2))
     learner = _learner(config)
     link = FakeLink()
     learner.round_started = time.monotonic()
     assert not learner._round_is_over(link)
-    time.sleep(0.06)
+    time.sleep(0.25)
     assert learner._round_is_over(link)
     learner._end_round(link)  # a new round starts its own deadline
     assert not learner._round_is_over(link)
@@ -358,7 +358,7 @@ def test_throttle_multiplies_the_compute_time_of_a_step(make_config):
     for learner in learners.values():  # warm-up: first calls allocate
         learner._inner_step(link)
     step_s: dict[float, list[float]] = {throttle: [] for throttle in learners}
-    for _ in range(5):  # interleaved, so that load on the machine hits both alike
+    for _ in range(7):  # interleaved, so that load on the machine hits both alike
         for throttle, learner in learners.items():
             before = learner.compute_s
             learner._inner_step(link)
