@@ -154,6 +154,7 @@ class RunConfig:
     eval_batches: int = 4  # batches of the held-out tail per evaluation
     seed: int = 0  # model init seed (shared by the swarm) is seed; data order uses seed + shard
     threads: int = 1  # torch intra-op threads for this peer
+    shutdown_wait_s: float = 10.0  # at the end of a run, wait this long for an averaging in flight to land
 
     def __post_init__(self) -> None:
         _require(self.max_outer_steps >= 0, f"run.max_outer_steps must be >= 0, got {self.max_outer_steps}")
@@ -162,6 +163,7 @@ class RunConfig:
         _require(self.eval_every >= 1, f"run.eval_every must be >= 1, got {self.eval_every}")
         _require(self.eval_batches >= 1, f"run.eval_batches must be >= 1, got {self.eval_batches}")
         _require(self.threads >= 1, f"run.threads must be >= 1, got {self.threads}")
+        _require(self.shutdown_wait_s >= 0, f"run.shutdown_wait_s must be >= 0 s, got {self.shutdown_wait_s}")
 
 
 @dataclass(frozen=True)

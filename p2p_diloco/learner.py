@@ -124,9 +124,27 @@ class Learner:
                     self._complete_averaging(link)
                 if not self._should_stop() and self._round_is_over(link):
                     self._end_round(link)
+            self._settle_pending(link)
         finally:
             if self.config.run.checkpoint_dir:
                 self.save_checkpoint()
+
+    def _settle_pending(self, link: Link) -> None:
+        """At the end of a run, give an averaging still in flight a bounded time to land, so that its result
+        is applied and recorded (and checkpointed) rather than lost; past that, it is abandoned."""
+        if self.pending is None:
+            return
+        started = time.monotonic()
+        wait_s = self.config.run.shutdown_wait_s
+        try:
+            self.pending.future.result(timeout=wait_s)
+        except TimeoutError:
+            logger.warning("abandoning the averaging of outer step %d after %.0f s", self.pending.outer_step, wait_s)
+            self.pending = None
+            return
+        finally:
+            self._add_blocked(time.monotonic() - started)
+        self._complete_averaging(link)
 
     def _should_stop(self) -> bool:
         run = self.config.run
@@ -205,15 +223,20 @@ class Learner:
         """The one place where an averaging's outcome, good or bad, is turned into state."""
         pending, self.pending = self.pending, None
         assert pending is not None
-        outcome: AveragingOutcome = pending.future.result()
-        if outcome.averaged is not None and pending.outer_step == self.outer_step:
+        try:
+            outcome: AveragingOutcome = pending.future.result()
+        except Exception as e:  # a broken link is a failed round here, not an exception unwinding the loop
+            outcome = AveragingOutcome(None, (), 0.0, "error", f"{type(e).__name__}: {e}")
+        if outcome.averaged is not None and pending.outer_step != self.outer_step:
+            outcome = AveragingOutcome(None, outcome.peers, outcome.weight_total, "stale", "global params moved on")
+        if outcome.averaged is not None:
             with self._state_lock:
                 self.outer.step(outcome.averaged)
                 self.outer_step += 1
                 self.global_sha256 = params_sha256(self.global_params)
             with torch.no_grad():  # local_params <- new_global + (local_params - snapshot): keep the work done since
                 for param, global_param, snapshot in zip(self.params, self.global_params, pending.snapshot):
-                    param.add_(global_param - snapshot)
+                    param.copy_(global_param + (param - snapshot))  # exactly new_global when nothing was done
             self.tokens_unsynced -= int(pending.weight)
             self._publish_step(link)
         else:

@@ -24,7 +24,7 @@ class AveragingOutcome:
     averaged: list[torch.Tensor] | None
     peers: tuple[str, ...]
     weight_total: float
-    status: str  # "ok", "partial", "no_group" or "error"
+    status: str  # "ok", "partial", "no_group", "error" or "stale"
     reason: str = ""
 
 
@@ -82,7 +82,10 @@ class ImmediateAveraging:
 
     def average_async(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> Future:
         future: Future = Future()
-        future.set_result(self.average(tensors, weight, outer_step))  # type: ignore[attr-defined]
+        try:
+            future.set_result(self.average(tensors, weight, outer_step))  # type: ignore[attr-defined]
+        except Exception as e:  # the learner turns it into a failed round
+            future.set_exception(e)
         return future
 
     def round_view(self, round_index: int) -> RoundView:

@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-ROUND_STATUSES = ("ok", "partial", "no_group", "error")  # records of an averaging attempt (not init / catch-up)
+ROUND_STATUSES = ("ok", "partial", "no_group", "error", "stale")  # records of an averaging attempt (not init / catch-up)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

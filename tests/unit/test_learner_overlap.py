@@ -6,7 +6,6 @@ steps), so every interleaving of training and averaging is driven deterministica
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -358,10 +357,11 @@ def test_throttle_multiplies_the_compute_time_of_a_step(make_config):
     for learner in learners.values():  # warm-up: first calls allocate
         learner._inner_step(link)
     step_s: dict[float, list[float]] = {throttle: [] for throttle in learners}
-    for _ in range(7):  # interleaved, so that load on the machine hits both alike
+    for _ in range(10):  # interleaved, so that load on the machine hits both alike
         for throttle, learner in learners.items():
             before = learner.compute_s
             learner._inner_step(link)
             step_s[throttle].append(learner.compute_s - before)
-    ratio = statistics.median(step_s[3.0]) / statistics.median(step_s[1.0])
-    assert ratio > 2, f"throttle 3 took {ratio:.2f}x the time per step of throttle 1"
+    # the fastest step of each: other load on the machine can only add time, so the minimum is the steadiest
+    ratio = min(step_s[3.0]) / min(step_s[1.0])
+    assert ratio > 2, f"throttle 3 took {ratio:.2f}x the time per step of throttle 1: {step_s}"
