@@ -11,7 +11,7 @@ from p2p_diloco.link import LocalLink
 from p2p_diloco.metrics import NullSink
 from p2p_diloco.model import build_model
 
-from .helpers import assert_all_close, make_dataset
+from .helpers import assert_all_close, make_dataset, plain_adamw
 
 STEPS = 5
 
@@ -30,27 +30,12 @@ def _train_learner(config) -> Learner:
     return learner
 
 
-def _plain_adamw(config) -> list[torch.Tensor]:
-    """The reference: the same model, batches and clipping, plain AdamW, no outer loop."""
-    model = build_model(config.model, config.run.seed)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=config.inner.lr, weight_decay=config.inner.weight_decay)
-    dataset = make_dataset(config)
-    for _ in range(STEPS):
-        inputs, targets = dataset.train.next_batch()
-        loss = model(inputs, targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.inner.grad_clip_norm)
-        optimizer.step()
-    return [p.detach().clone() for p in params]
-
 
 def test_one_peer_h1_outer_lr1_no_momentum_is_plain_adamw(make_config):
     config = _config(make_config, OuterConfig(lr=1.0, momentum=0.0))
     initial = [p.detach().clone() for p in build_model(config.model, config.run.seed).parameters()]
     learner = _train_learner(config)
-    reference = _plain_adamw(config)
+    reference = plain_adamw(config, STEPS)
 
     assert learner.outer_step == STEPS
     assert learner.dataset.train.position == STEPS  # one batch per inner step, none skipped or repeated
@@ -63,7 +48,7 @@ def test_one_peer_h1_outer_lr1_no_momentum_is_plain_adamw(make_config):
 def test_negative_control_outer_momentum_differs_from_plain_adamw(make_config):
     config = _config(make_config, OuterConfig(lr=0.7, momentum=0.9))
     learner = _train_learner(config)
-    reference = _plain_adamw(config)
+    reference = plain_adamw(config, STEPS)
 
     assert learner.outer_step == STEPS
     with pytest.raises(AssertionError):

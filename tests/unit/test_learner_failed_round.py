@@ -13,7 +13,7 @@ from p2p_diloco.metrics import NullSink
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import params_sha256
 
-from .helpers import assert_all_close, make_dataset, snapshot
+from .helpers import assert_all_close, make_dataset, plain_adamw, snapshot
 
 H, BATCH = 2, 2
 FAILED = AveragingOutcome(None, (), 0.0, "partial", "a groupmate dropped out")
@@ -61,21 +61,6 @@ def _config(make_config, max_outer_steps: int = 0):
     )
 
 
-def _plain_adamw(config, steps: int) -> list[torch.Tensor]:
-    """Local params after ``steps`` uninterrupted AdamW steps from the shared init (what local progress should be)."""
-    model = build_model(config.model, config.run.seed)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=config.inner.lr, weight_decay=config.inner.weight_decay)
-    dataset = make_dataset(config)
-    for _ in range(steps):
-        inputs, targets = dataset.train.next_batch()
-        loss = model(inputs, targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.inner.grad_clip_norm)
-        optimizer.step()
-    return snapshot(params)
-
 
 def test_failed_round_keeps_global_state_and_local_progress(make_config):
     config = _config(make_config)
@@ -116,7 +101,7 @@ def test_next_successful_round_carries_both_rounds_of_tokens_and_progress(make_c
     assert [c["outer_step"] for c in link.calls] == [0, 0]  # the failed round did not advance the step
     # the outer gradient of each attempt is everything trained since the last sync: H, then 2H AdamW steps
     for call, steps in zip(link.calls, (H, 2 * H), strict=True):
-        expected_grad = [i - r for i, r in zip(initial, _plain_adamw(config, steps), strict=True)]
+        expected_grad = [i - r for i, r in zip(initial, plain_adamw(config, steps), strict=True)]
         assert_all_close(call["tensors"], expected_grad)
     # then one Nesterov step from the init: the first step moves by lr * (1 + mu) * grad
     expected_global = [i - 0.7 * 1.9 * g for i, g in zip(initial, link.calls[1]["tensors"], strict=True)]

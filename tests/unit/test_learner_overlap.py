@@ -18,10 +18,9 @@ from p2p_diloco.config import InnerConfig, OuterConfig, RunConfig
 from p2p_diloco.learner import Learner
 from p2p_diloco.link import AveragingOutcome, RoundView, SwarmState
 from p2p_diloco.metrics import NullSink
-from p2p_diloco.model import build_model
 from p2p_diloco.outer import OuterOptimizer, params_sha256
 
-from .helpers import assert_all_close, make_dataset, snapshot
+from .helpers import assert_all_close, make_dataset, plain_adamw, snapshot
 
 H, BATCH, SEQ = 2, 2, 16
 BATCH_TOKENS = BATCH * SEQ
@@ -114,20 +113,6 @@ def _known_average(learner: Learner) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
     return [0.01 * torch.randn(p.shape, generator=generator) for p in learner.global_params]
 
-
-def _plain_adamw(config, steps: int) -> list[torch.Tensor]:
-    model = build_model(config.model, config.run.seed)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=config.inner.lr, weight_decay=config.inner.weight_decay)
-    dataset = make_dataset(config)
-    for _ in range(steps):
-        inputs, targets = dataset.train.next_batch()
-        loss = model(inputs, targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.inner.grad_clip_norm)
-        optimizer.step()
-    return snapshot(params)
 
 
 # (a) training continues while an averaging is in flight ------------------------------------------------------
@@ -271,10 +256,10 @@ def test_overlap_loses_no_work_with_outer_lr1_no_momentum(make_config):
     # the rebase local += new_global - snapshot is exact only up to float rounding, which AdamW's normalised
     # steps amplify a little; a lost or repeated step would move elements by about the inner lr (1e-2)
     tolerance = dict(rtol=1e-4, atol=1e-4)
-    assert_all_close(learner.params, _plain_adamw(config, position), **tolerance)
-    assert_all_close(learner.global_params, _plain_adamw(config, position - 1), **tolerance)
+    assert_all_close(learner.params, plain_adamw(config, position), **tolerance)
+    assert_all_close(learner.global_params, plain_adamw(config, position - 1), **tolerance)
     with pytest.raises(AssertionError):  # negative control: one step of work fewer is told apart
-        assert_all_close(learner.params, _plain_adamw(config, position - 1), **tolerance)
+        assert_all_close(learner.params, plain_adamw(config, position - 1), **tolerance)
 
 
 # (c) when a round ends ----------------------------------------------------------------------------------------
