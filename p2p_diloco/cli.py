@@ -32,6 +32,7 @@ _FLAG_FIELDS = {
     "tokens_per_round": ("inner", "tokens_per_round"),
     "round_deadline_s": ("inner", "round_deadline_s"),
     "throttle": ("inner", "throttle"),
+    "fragments": ("inner", "fragments"),
     "batch_size": ("inner", "batch_size"),
     "inner_lr": ("inner", "lr"),
     "outer_lr": ("outer", "lr"),
@@ -79,6 +80,7 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--tokens-per-round", type=int, default=s, help="tokens the whole swarm processes per outer round (default 0: H x batch tokens x live peers); a fast peer simply contributes more of them")
     train.add_argument("--round-deadline-s", type=float, default=s, help="a round ends at the latest this many seconds after it began (default 0: none)")
     train.add_argument("--throttle", type=float, default=s, help="slow this peer's inner steps F-fold by sleeping, to emulate older hardware (default 1)")
+    train.add_argument("--fragments", type=int, default=s, metavar="P", help="streaming: split the parameters into P fragments averaged at staggered times, one per 1/P of a round, so each burst is ~P times smaller (default 1)")
     train.add_argument("--batch-size", type=int, default=s, help=f"sequences per inner step (default {d.inner.batch_size})")
     train.add_argument("--seq-len", type=int, default=s, help=f"tokens (bytes) per sequence (default {d.model.seq_len})")
     train.add_argument("--inner-lr", type=float, default=s, help=f"AdamW learning rate (default {d.inner.lr})")
@@ -174,10 +176,14 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
     except (ValueError, OSError) as e:
         return _fail(prog, str(e))
     stop = threading.Event()
-    learner = Learner(config, dataset, metrics, stop)
+    try:
+        learner = Learner(config, dataset, metrics, stop)
+    except ValueError as e:
+        metrics.close()
+        return _fail(prog, str(e))
     log.info("resolved config: %s", json.dumps(config.to_dict(), sort_keys=True))
     try:
-        link = SwarmLink(config.swarm, learner.global_params, learner.state_for_peers)
+        link = SwarmLink(config.swarm, learner.averaging_template(), learner.state_for_peers, config.inner.fragments)
     except SwarmStartError as e:
         metrics.close()
         return _fail(prog, f"could not join the swarm: {e}", code=1)

@@ -70,6 +70,7 @@ class InnerConfig:
     tokens_per_round: int = 0  # swarm-wide tokens that end a round; 0 = inner_steps x batch tokens x live peers
     round_deadline_s: float = 0.0  # a round ends at the latest this many seconds after it began; 0 = no deadline
     throttle: float = 1.0  # slow each inner step this many times (sleeping), to emulate older hardware
+    fragments: int = 1  # streaming: split the params into this many fragments, averaged one per 1/P of a round
 
     def __post_init__(self) -> None:
         _require(self.inner_steps >= 1, f"inner.inner_steps (H) must be >= 1, got {self.inner_steps}")
@@ -80,6 +81,7 @@ class InnerConfig:
         _require(self.tokens_per_round >= 0, f"inner.tokens_per_round must be >= 0, got {self.tokens_per_round}")
         _require(self.round_deadline_s >= 0, f"inner.round_deadline_s must be >= 0 s, got {self.round_deadline_s}")
         _require(self.throttle >= 1, f"inner.throttle must be >= 1 (1 = full speed), got {self.throttle}")
+        _require(self.fragments >= 1, f"inner.fragments must be >= 1, got {self.fragments}")
 
 
 @dataclass(frozen=True)

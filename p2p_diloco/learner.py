@@ -37,6 +37,22 @@ from p2p_diloco.outer import OuterOptimizer, params_sha256
 logger = logging.getLogger(__name__)
 
 
+def partition_fragments(params: list[torch.Tensor], count: int) -> list[list[int]]:
+    """Split the params, in order, into ``count`` contiguous fragments of about equal size (whole tensors)."""
+    if count > len(params):
+        raise ValueError(f"cannot split {len(params)} parameter tensors into {count} fragments")
+    total, fragments, current, filled = sum(p.numel() for p in params), [], [], 0
+    for index, param in enumerate(params):
+        current.append(index)
+        filled += param.numel()
+        remaining_params, remaining_fragments = len(params) - index - 1, count - len(fragments) - 1
+        if remaining_fragments and (filled >= total * (len(fragments) + 1) / count or remaining_params == remaining_fragments):
+            fragments.append(current)
+            current = []
+    fragments.append(current)
+    return fragments
+
+
 @dataclass
 class PendingAveraging:
     """An averaging in flight: what was sent, and the local params it was computed from."""
@@ -44,7 +60,9 @@ class PendingAveraging:
     future: Future
     outer_step: int
     weight: float
-    snapshot: list[torch.Tensor]
+    snapshot: list[torch.Tensor]  # local params of the fragment being averaged, as they were sent
+    fragment: int = 0
+    indices: list[int] = field(default_factory=list)  # positions of the fragment's params in model.parameters()
     started: float = field(default_factory=time.monotonic)
     traffic_before: tuple[int, int] = (0, 0)
     steps_during: int = 0  # inner steps this peer ran while the averaging was in flight
@@ -78,7 +96,11 @@ class Learner:
         self.outer_step = 0
         self.global_sha256 = params_sha256(self.global_params)
         self.tokens_total = 0
-        self.tokens_unsynced = 0  # tokens of local progress not yet merged into the global params
+        # streaming fragments (DESIGN.md §1, Streaming DiLoCo): outer step r averages fragment r % P only
+        self.fragments = partition_fragments(self.params, config.inner.fragments)
+        self.unsynced_by_fragment = [0] * len(self.fragments)  # tokens of local progress not yet in each fragment
+        self.peak_send_rate = 0.0  # bytes/s: the largest ~1 s burst of averaging traffic since the last record
+        self._traffic_sample: tuple[float, int] | None = None
         self.round_tokens = 0  # tokens this peer processed in the swarm's current round
         self.round_started = time.monotonic()
         self.steps_into_round = 0
@@ -90,6 +112,31 @@ class Learner:
         self._state_lock = threading.Lock()  # guards global state against a concurrent state download
         self._eval_batches = dataset.eval_batches(config.run.eval_batches)
         self._started = time.monotonic()
+
+    @property
+    def tokens_unsynced(self) -> int:
+        """Tokens behind the next outer gradient: local progress not yet merged into the next fragment to sync."""
+        return self.unsynced_by_fragment[self.outer_step % len(self.fragments)]
+
+    def averaging_template(self) -> list[torch.Tensor]:
+        """The tensors one averaging carries: the params themselves, or one flat buffer that fits any fragment."""
+        if len(self.fragments) == 1:
+            return [torch.zeros_like(p) for p in self.global_params]
+        return [torch.zeros(max(sum(self.params[i].numel() for i in f) for f in self.fragments))]
+
+    def _pack(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if len(self.fragments) == 1:
+            return tensors
+        (template,) = self.averaging_template()
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        return [torch.cat([flat, template[flat.numel():]])]  # zero padding up to the largest fragment
+
+    def _unpack(self, averaged: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
+        if len(self.fragments) == 1:
+            return averaged
+        sizes = [self.params[i].numel() for i in indices]
+        pieces = averaged[0][: sum(sizes)].split(sizes)
+        return [piece.reshape(self.params[i].shape) for piece, i in zip(pieces, indices)]
 
     @property
     def round_index(self) -> int:
@@ -170,7 +217,7 @@ class Learner:
         tokens = inputs.numel()
         self.compute_s += elapsed
         self.tokens_total += tokens
-        self.tokens_unsynced += tokens
+        self.unsynced_by_fragment = [count + tokens for count in self.unsynced_by_fragment]
         self.round_tokens += tokens
         self.steps_into_round += 1
         self.interval.inner_steps += 1
@@ -179,13 +226,25 @@ class Learner:
         self.interval.compute_s += elapsed
         if self.pending is not None:
             self.pending.steps_during += 1
+        self._sample_traffic(link)
         link.publish(round=self.round_index, round_tokens=self.round_tokens, tokens=self.tokens_total)
 
+    def _sample_traffic(self, link: Link) -> None:
+        """Track the largest send rate over windows of about a second (the burst that streaming fragments cut)."""
+        now, (sent, _) = time.monotonic(), link.traffic()
+        if self._traffic_sample is None:
+            self._traffic_sample = (now, sent)
+        elif now - self._traffic_sample[0] >= 1.0:
+            started, sent_before = self._traffic_sample
+            self.peak_send_rate = max(self.peak_send_rate, (sent - sent_before) / (now - started))
+            self._traffic_sample = (now, sent)
+
     def _round_budget_tokens(self, live_peers: int) -> int:
-        """The swarm-wide tokens of one round: configured, or H steps of this peer's batch per live peer."""
+        """The swarm-wide tokens of one outer step: the round's budget (configured, or H steps of this peer's
+        batch per live peer) divided among the fragments, which are averaged one after the other."""
         configured = self.config.inner.tokens_per_round
         per_peer = self.config.inner.inner_steps * self.dataset.train.tokens_per_batch
-        return configured or per_peer * (1 + live_peers)
+        return (configured or per_peer * (1 + live_peers)) // len(self.fragments)
 
     def _round_is_over(self, link: Link) -> bool:
         """The swarm's round ends when its tokens reach the budget, someone already moved on, or at the deadline."""
@@ -208,12 +267,16 @@ class Learner:
         # if the swarm moved on, or another group averaged our last outer step to other bytes (a fork),
         # take the swarm's state now; our progress is rebased onto it
         self._catch_up(link)
-        snapshot = [p.detach().clone() for p in self.params]
-        outer_grads = [g - s for g, s in zip(self.global_params, snapshot)]
+        fragment = self.outer_step % len(self.fragments)
+        indices = self.fragments[fragment]
+        snapshot = [self.params[i].detach().clone() for i in indices]
+        outer_grads = [self.global_params[i] - s for i, s in zip(indices, snapshot)]
         weight = float(self.tokens_unsynced)
         traffic_before = link.traffic()
-        future = link.average_async(outer_grads, weight=weight, outer_step=self.outer_step)
-        self.pending = PendingAveraging(future, self.outer_step, weight, snapshot, traffic_before=traffic_before)
+        future = link.average_async(self._pack(outer_grads), weight=weight, outer_step=self.outer_step)
+        self.pending = PendingAveraging(
+            future, self.outer_step, weight, snapshot, fragment, indices, traffic_before=traffic_before
+        )
         self.round_tokens, self.steps_into_round = 0, 0
         self.round_started = time.monotonic()
         if future.done():  # a swarm of one answers at once
@@ -230,14 +293,16 @@ class Learner:
         if outcome.averaged is not None and pending.outer_step != self.outer_step:
             outcome = AveragingOutcome(None, outcome.peers, outcome.weight_total, "stale", "global params moved on")
         if outcome.averaged is not None:
+            indices = pending.indices
             with self._state_lock:
-                self.outer.step(outcome.averaged)
+                self.outer.step(self._unpack(outcome.averaged, indices), indices)
                 self.outer_step += 1
                 self.global_sha256 = params_sha256(self.global_params)
             with torch.no_grad():  # local_params <- new_global + (local_params - snapshot): keep the work done since
-                for param, global_param, snapshot in zip(self.params, self.global_params, pending.snapshot):
-                    param.copy_(global_param + (param - snapshot))  # exactly new_global when nothing was done
-            self.tokens_unsynced -= int(pending.weight)
+                for index, snapshot in zip(indices, pending.snapshot):
+                    param = self.params[index]
+                    param.copy_(self.global_params[index] + (param - snapshot))  # exactly new_global if idle
+            self.unsynced_by_fragment[pending.fragment] -= int(pending.weight)
             self._publish_step(link)
         else:
             logger.warning("outer step %d: averaging failed (%s: %s)", pending.outer_step, outcome.status, outcome.reason)
@@ -340,6 +405,8 @@ class Learner:
                 bytes_received=int(traffic[1]) if traffic else 0,
                 averaging_s=round(time.monotonic() - pending.started, 3) if pending else None,
                 steps_during_averaging=pending.steps_during if pending else 0,
+                fragment=pending.fragment if pending else None,
+                peak_send_bytes_per_s=round(self._take_peak_rate()),
                 compute_s=round(self.compute_s, 4),
                 blocked_s=round(self.blocked_s, 4),
                 interval_compute_s=round(interval.compute_s, 4),
@@ -350,6 +417,10 @@ class Learner:
                 global_sha256=self.global_sha256,
             )
         )
+
+    def _take_peak_rate(self) -> float:
+        rate, self.peak_send_rate = self.peak_send_rate, 0.0
+        return rate
 
     def save_checkpoint(self) -> None:
         with self._state_lock:

@@ -28,16 +28,17 @@ class OuterOptimizer:
         self.steps_taken = 0
 
     @torch.no_grad()
-    def step(self, outer_grads: Sequence[torch.Tensor]) -> None:
-        if len(outer_grads) != len(self.params):
-            raise ValueError(f"expected {len(self.params)} outer gradients, got {len(outer_grads)}")
-        for param, grad, buffer in zip(self.params, outer_grads, self.momentum_buffers):
+    def step(self, outer_grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
+        """Apply the outer step to all params, or only to ``indices`` (one streaming fragment)."""
+        indices = range(len(self.params)) if indices is None else indices
+        if len(outer_grads) != len(indices):
+            raise ValueError(f"expected {len(indices)} outer gradients, got {len(outer_grads)}")
+        for index, grad in zip(indices, outer_grads):
+            param, buffer = self.params[index], self.momentum_buffers[index]
             update = grad
             if self.momentum:
-                if self.steps_taken == 0:
-                    buffer.copy_(grad)  # torch's SGD starts the buffer at the first gradient
-                else:
-                    buffer.mul_(self.momentum).add_(grad)
+                # the buffer starts at zero, so the first step leaves it equal to the gradient, as torch's SGD does
+                buffer.mul_(self.momentum).add_(grad)
                 update = grad.add(buffer, alpha=self.momentum)
             param.add_(update, alpha=-self.lr)
         self.steps_taken += 1

@@ -126,19 +126,21 @@ class SwarmLink:
         config: SwarmConfig,
         template: Sequence[torch.Tensor],
         state_provider: Callable[[], tuple[dict, Sequence[torch.Tensor]]],
+        fragments: int = 1,
     ):
         self.config = config
         self.dht = start_dht(config)
         self.peer_id = self.dht.peer_id.to_base58()
         self._progress_key = f"{config.run_id}.progress"
         self.codec = make_codec(config.compression)
-        self._error_feedback = ErrorFeedback(self.codec) if config.compression == "int4" else None
+        # one residual per streaming fragment: outer step r carries fragment r % fragments
+        self._error_feedback = [ErrorFeedback(self.codec) for _ in range(fragments)] if config.compression == "int4" else None
         self._averager: DilocoAverager | None = None
         self._beacon: ProgressBeacon | None = None
         previous_sigint = signal.getsignal(signal.SIGINT)
         try:
             self._averager = DilocoAverager(
-                [torch.zeros_like(t) for t in template],
+                [torch.zeros_like(t) for t in template],  # what one averaging carries (all params, or a fragment)
                 self.dht,
                 wire_codec=WireCodec(self.codec),
                 state_provider=state_provider,
@@ -215,16 +217,17 @@ class SwarmLink:
         Peers that are alive but behind are waited for (they catch up by downloading state and join this
         outer step), so that a fast peer never runs off on its own while others are there.
         """
-        residual = None
+        residual, feedback = None, None
         if self._error_feedback is not None:
-            tensors, residual = self._error_feedback.prepare(list(tensors))
+            feedback = self._error_feedback[outer_step % len(self._error_feedback)]
+            tensors, residual = feedback.prepare(list(tensors))
         if not self.live_peers():
             outcome = self.average_alone(tensors, weight)
         else:
             assert self._averager is not None
             outcome = run_averaging(self._averager, tensors, weight, outer_step, self.config.averaging_timeout_s)
-        if residual is not None and outcome.averaged is not None:
-            self._error_feedback.commit(residual)
+        if feedback is not None and residual is not None and outcome.averaged is not None:
+            feedback.commit(residual)
         return outcome
 
     def average_async(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> Future:
