@@ -132,3 +132,23 @@ def test_overlap_token_weights_and_a_peer_that_misses_rounds(tmp_path, reaper):
     # the frozen peer came back: it caught up (or kept its work) and contributed again without forking
     after_thaw = records["peer2"][thawed_at:]
     assert any(r["status"] == "ok" and r["group_size"] >= 2 for r in after_thaw)
+
+
+def test_streaming_fragments_average_one_fragment_per_outer_step(tmp_path, reaper):
+    swarm = local_swarm(tmp_path, reaper, ["--fragments", "2", "--max-time-s", "150"])
+    for index in range(2):
+        swarm.start(f"peer{index}", shard=index, num_shards=2)
+
+    def paired_rounds() -> int:
+        return sum(r["status"] == "ok" and r["group_size"] == 2 for r in swarm.records("peer0"))
+
+    swarm.wait_until(lambda: paired_rounds() >= 4, 140, "four averaged fragments")
+    assert all(code == 0 for code in swarm.stop_all().values()), swarm.log_tails()
+    records = swarm.all_records()
+    invariant = check_invariant_1(records)
+    assert invariant["held"], invariant["forks"]
+    paired = [r for r in records["peer0"] if r["status"] == "ok" and r["group_size"] == 2]
+    assert len(paired) >= 3, records["peer0"]
+    # outer step r averages fragment r % 2: the fragment of a record is that of the step it completed
+    assert all(r["fragment"] == (r["outer_step"] - 1) % 2 for r in paired)
+    assert {r["fragment"] for r in paired} == {0, 1}
