@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -259,8 +259,11 @@ class Learner:
     def _end_round(self, link: Link) -> None:
         if self.pending is not None:  # the previous averaging is still in flight: the only wait in the loop
             started = time.monotonic()
-            self.pending.future.result()
+            while not self.pending.future.done() and not self.stop.is_set():
+                wait([self.pending.future], timeout=0.5)  # a stop request (SIGTERM) is honoured within 0.5 s
             self._add_blocked(time.monotonic() - started)
+            if not self.pending.future.done():
+                return  # stopping: run() gives the averaging a last bounded chance in _settle_pending
             self._complete_averaging(link)
             if self._should_stop():
                 return
