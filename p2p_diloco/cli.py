@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -200,7 +201,10 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
         link.close()
         metrics.close()
     print(f"peer {link.peer_id} stopped at outer step {learner.outer_step}", flush=True)
-    return 0
+    sys.stderr.flush()
+    # everything is saved and closed; an abandoned averaging thread stuck in hivemind must not keep the
+    # process alive at interpreter exit (it would outlive the launcher's grace period and be SIGKILLed)
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from p2p_diloco.launcher import LocalSwarm
 # small and quick, but the real code path: DHT, matchmaking, butterfly all-reduce, int8 codec
 FAST_PEER_FLAGS = [
     "--n-layers", "2", "--d-model", "64", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
-    "--inner-steps", "10", "--matchmaking-time-s", "2", "--averaging-timeout-s", "30", "--chunk-timeout-s", "4",
+    "--inner-steps", "20", "--matchmaking-time-s", "4", "--averaging-timeout-s", "30", "--chunk-timeout-s", "4",
     "--state-timeout-s", "30", "--compression", "int8", "--run-id", "itest",
 ]
 

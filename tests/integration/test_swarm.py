@@ -26,14 +26,15 @@ def _grouped(records: list[dict], size: int) -> bool:
     return any(r["status"] == "ok" and r["group_size"] >= size for r in records)
 
 
+@pytest.mark.timeout(420)
 def test_three_peers_agree_learn_and_admit_a_late_joiner(tmp_path, reaper):
     swarm = local_swarm(tmp_path, reaper)
     for index in range(3):
-        swarm.start(f"peer{index}", shard=index, num_shards=4, extra=["--max-time-s", "130"])
+        swarm.start(f"peer{index}", shard=index, num_shards=4, extra=["--max-time-s", "150"])
     swarm.wait_until(lambda: all(_grouped(swarm.records(f"peer{i}"), 3) for i in range(3)), 100, "a group of 3")
 
-    swarm.start("late", shard=3, num_shards=4, extra=["--max-time-s", "60"])
-    swarm.wait_until(lambda: _grouped(swarm.records("late"), 2), 60, "the late peer's first averaged round")
+    swarm.start("late", shard=3, num_shards=4, extra=["--max-time-s", "80"])
+    swarm.wait_until(lambda: _grouped(swarm.records("late"), 2), 80, "the late peer's first averaged round")
     swarm.wait_all_exited(150)
     assert all(p.process.returncode == 0 for p in swarm.peers.values()), swarm.log_tails()
 
