@@ -151,6 +151,19 @@ class LocalSwarm:
         return {name: peer.stop(grace_s=40) for name, peer in self.peers.items()}
 
 
+def run_to_end(out_dir: Path, flags: list[str], per_peer: list[list[str]], timeout_s: float) -> dict:
+    """Start one peer per entry of ``per_peer`` (its extra flags), wait until all have stopped by themselves,
+    stop any left over, and return the run report. What the benchmark scripts run, once per configuration."""
+    swarm = LocalSwarm(out_dir, flags)
+    try:
+        for index, extra in enumerate(per_peer):
+            swarm.start(f"peer{index}", shard=index, num_shards=len(per_peer), extra=extra)
+        swarm.wait_all_exited(timeout_s)
+    finally:
+        swarm.stop_all()
+    return build_report({name: peer.metrics_file for name, peer in swarm.peers.items()})
+
+
 def progress_line(peer: PeerProcess) -> str:
     records = read_metrics(peer.metrics_file) if peer.metrics_file.exists() else []
     state = "running" if peer.alive else f"exited({peer.process.returncode})"

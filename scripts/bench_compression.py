@@ -17,21 +17,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a clone without installing
 
-from p2p_diloco.launcher import LocalSwarm  # noqa: E402
-from p2p_diloco.report import build_report  # noqa: E402
+from p2p_diloco.launcher import run_to_end  # noqa: E402
 
 CODECS = ("none", "fp16", "int8", "int4")
 
 
 def run_codec(out_dir: Path, codec: str, peers: int, outer_steps: int, flags: list[str]) -> dict:
-    swarm = LocalSwarm(out_dir, [*flags, "--compression", codec, "--max-outer-steps", str(outer_steps)])
-    try:
-        for index in range(peers):
-            swarm.start(f"peer{index}", shard=index, num_shards=peers)
-        swarm.wait_all_exited(3600)
-    finally:
-        swarm.stop_all()
-    report = build_report({name: peer.metrics_file for name, peer in swarm.peers.items()})
+    codec_flags = [*flags, "--compression", codec, "--max-outer-steps", str(outer_steps)]
+    report = run_to_end(out_dir, codec_flags, [[] for _ in range(peers)], timeout_s=3600)
     evaluated = [r for rs in report["records"].values() for r in rs if r.get("eval_loss") is not None]
     last_step = max(r["outer_step"] for r in evaluated)
     return dict(

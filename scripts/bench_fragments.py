@@ -17,19 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a clone without installing
 
-from p2p_diloco.launcher import LocalSwarm  # noqa: E402
-from p2p_diloco.report import build_report  # noqa: E402
+from p2p_diloco.launcher import run_to_end  # noqa: E402
 
 
 def run(out_dir: Path, peers: int, fragments: int, rounds: int, flags: list[str]) -> dict:
-    swarm = LocalSwarm(out_dir, [*flags, "--fragments", str(fragments), "--max-outer-steps", str(rounds * fragments)])
-    try:
-        for index in range(peers):
-            swarm.start(f"peer{index}", shard=index, num_shards=peers)
-        swarm.wait_all_exited(3600)
-    finally:
-        swarm.stop_all()
-    report = build_report({name: peer.metrics_file for name, peer in swarm.peers.items()})
+    run_flags = [*flags, "--fragments", str(fragments), "--max-outer-steps", str(rounds * fragments)]
+    report = run_to_end(out_dir, run_flags, [[] for _ in range(peers)], timeout_s=3600)
     records = report["records"]
     evaluated = [r for rs in records.values() for r in rs if r.get("eval_loss") is not None]
     last = max(r["outer_step"] for r in evaluated)

@@ -16,20 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a clone without installing
 
-from p2p_diloco.launcher import LocalSwarm  # noqa: E402
-from p2p_diloco.report import build_report  # noqa: E402
+from p2p_diloco.launcher import run_to_end  # noqa: E402
 
 
 def run_swarm(out_dir: Path, throttles: list[float], duration_s: float, flags: list[str]) -> dict:
-    swarm = LocalSwarm(out_dir, flags)
-    try:
-        for index, throttle in enumerate(throttles):
-            extra = ["--throttle", str(throttle), "--max-time-s", str(duration_s)]
-            swarm.start(f"peer{index}", shard=index, num_shards=len(throttles), extra=extra)
-        swarm.wait_all_exited(duration_s + 180)
-    finally:
-        swarm.stop_all()
-    return build_report({name: peer.metrics_file for name, peer in swarm.peers.items()})
+    per_peer = [["--throttle", str(throttle), "--max-time-s", str(duration_s)] for throttle in throttles]
+    return run_to_end(out_dir, flags, per_peer, timeout_s=duration_s + 180)
 
 
 def weight_shares(records: list[dict]) -> list[dict]:

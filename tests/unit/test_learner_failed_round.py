@@ -8,7 +8,7 @@ import torch
 
 from p2p_diloco.config import InnerConfig, OuterConfig, RunConfig
 from p2p_diloco.learner import Learner
-from p2p_diloco.link import AveragingOutcome, ImmediateAveraging, SwarmState
+from p2p_diloco.link import AveragingOutcome, LocalLink, SwarmState
 from p2p_diloco.metrics import NullSink
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import params_sha256
@@ -19,12 +19,14 @@ H, BATCH = 2, 2
 FAILED = AveragingOutcome(None, (), 0.0, "partial", "a groupmate dropped out")
 
 
-class FlakyLink(ImmediateAveraging):
-    """A fake swarm of one whose first ``failures`` averaging rounds fail; later ones return the input unchanged."""
+class FlakyLink(LocalLink):
+    """A swarm of one (LocalLink's no-ops) whose first ``failures`` averaging rounds fail; later ones return the
+    input unchanged, and no download is ever expected."""
 
     peer_id = "fake"
 
     def __init__(self, failures: int):
+        super().__init__("none")
         self.failures = failures
         self.calls: list[dict] = []
 
@@ -34,23 +36,8 @@ class FlakyLink(ImmediateAveraging):
             return FAILED
         return AveragingOutcome(snapshot(tensors), (self.peer_id,), weight, "ok")
 
-    def swarm_outer_step(self) -> int:
-        return -1  # nobody is ahead: a failure must not trigger a download
-
-    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
-        return own_sha  # no other bytes in the swarm: never a fork
-
     def download_state(self, num_params: int) -> SwarmState | None:
         raise AssertionError("no peer is ahead, nothing to download")
-
-    def publish(self, **fields: object) -> None:
-        pass
-
-    def traffic(self) -> tuple[int, int]:
-        return 0, 0
-
-    def close(self) -> None:
-        pass
 
 
 def _config(make_config, max_outer_steps: int = 0):
