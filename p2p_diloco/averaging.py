@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, AllreduceException, BannedException
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.compression import serialization as hivemind_serialization
@@ -50,13 +51,33 @@ _WIRE_TYPES = {
     "int4": runtime_pb2.CompressionType.UNIFORM_8BIT,
 }
 _QUANTIZATION_BLOCK = 256  # every part holds whole quantization blocks (64 for int4, 256 for int8)
+_PARTS_PER_AVERAGING = 32  # enough parts that every peer of a group reduces about its share
+_MIN_PART_VALUES = 16 * _QUANTIZATION_BLOCK
+
+
+def part_values_for(codec: Codec, total_values: int) -> int:
+    """Values per all-reduce part for averagings of ``total_values``: about 1/32 of the total, in whole
+    quantization blocks, and no larger than hivemind's default part (2**19 bytes on the wire).
+
+    hivemind hands each part whole to one reducer, so with its default a streaming fragment of a few hundred
+    thousand values is a single part and one peer reduces all of it: that peer sends twice the bytes of the
+    others, and the burst that fragments are meant to cut comes back. Small parts spread the load evenly.
+    """
+    largest = max(_QUANTIZATION_BLOCK, int(DEFAULT_PART_SIZE_BYTES / codec.bytes_per_value()) // _QUANTIZATION_BLOCK * _QUANTIZATION_BLOCK)
+    wanted = -(-total_values // _PARTS_PER_AVERAGING)
+    wanted = -(-wanted // _QUANTIZATION_BLOCK) * _QUANTIZATION_BLOCK
+    return min(largest, max(_MIN_PART_VALUES, wanted))
 
 
 class WireCodec(CompressionBase):
-    """Adapts a p2p_diloco codec to hivemind's three-method CompressionBase (fp32 tensors only)."""
+    """Adapts a p2p_diloco codec to hivemind's three-method CompressionBase (fp32 tensors only).
 
-    def __init__(self, codec: Codec):
+    ``part_values``: how many values hivemind puts in one all-reduce part (see ``part_values_for``).
+    """
+
+    def __init__(self, codec: Codec, part_values: int | None = None):
         self.codec = codec
+        self.part_values = part_values or part_values_for(codec, 2**40)  # default: hivemind's own part size
         self.compression_type = _WIRE_TYPES[codec.name]
         # load the codec's native library here, before the averager forks: importing bitsandbytes takes
         # seconds, longer than a groupmate waits for our first chunk, so a lazy import fails the first round
@@ -76,12 +97,10 @@ class WireCodec(CompressionBase):
         return self.codec.decode(serialized_tensor.buffer, shape.numel()).reshape(shape)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        # hivemind cuts tensors into parts of int(part_size_bytes / (4 * ratio)) values; report a ratio that
-        # makes that a whole number of quantization blocks, so a part re-quantizes exactly like the whole
-        # tensor did (error feedback relies on it)
-        values = DEFAULT_PART_SIZE_BYTES / self.codec.bytes_per_value()
-        aligned = max(_QUANTIZATION_BLOCK, int(values // _QUANTIZATION_BLOCK) * _QUANTIZATION_BLOCK)
-        return DEFAULT_PART_SIZE_BYTES / (4.0 * (aligned + 0.5))
+        # hivemind cuts tensors into parts of int(part_size_bytes / (4 * ratio)) values; report the ratio that
+        # makes that exactly part_values, a whole number of quantization blocks, so a part re-quantizes
+        # exactly like the whole tensor did (error feedback relies on it)
+        return DEFAULT_PART_SIZE_BYTES / (4.0 * (self.part_values + 0.5))
 
 
 def install_wire_codecs() -> None:
@@ -247,11 +266,30 @@ class DilocoAverager(DecentralizedAverager):
         for tensor, result in zip(tensors, results, strict=True):
             tensor.copy_(result)
 
-    async def _set_group_bits(self, group_bits: str, future: MPFuture) -> None:
-        # hivemind re-shuffles the group key after every assembled group (for gossip averaging); our key is
-        # the outer step and must stay fixed while a round is retried, so the re-shuffle is switched off.
-        self._matchmaking.group_key_manager.update_key_on_group_assembled = _keep_group_key
-        await super()._set_group_bits(group_bits, future)
+    def set_round(self, outer_step: int, expected_group_size: int | None) -> None:
+        """Match only with peers averaging ``outer_step``, and assemble the group as soon as
+        ``expected_group_size`` peers are in it (None: wait out the whole matchmaking time, hivemind's way)."""
+        future = MPFuture()
+        self._outer_pipe.send(
+            ("_set_round", [], dict(group_bits=outer_step_key(outer_step), target=expected_group_size, future=future))
+        )
+        future.result()
+
+    async def _set_round(self, group_bits: str, target: int | None, future: MPFuture) -> None:
+        try:
+            matchmaking = self._matchmaking
+            # hivemind re-shuffles the group key after every assembled group (for gossip averaging); our key is
+            # the outer step and must stay fixed while a round is retried, so the re-shuffle is switched off
+            matchmaking.group_key_manager.update_key_on_group_assembled = _keep_group_key
+            matchmaking.group_key_manager.group_bits = group_bits
+            # a leader whose group reaches the target starts the all-reduce at once instead of waiting for the
+            # matchmaking time to run out: when every live peer is in, there is nobody left to wait for
+            matchmaking.target_group_size = target
+            matchmaking.potential_leaders.target_group_size = target
+            future.set_result(None)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(e)
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
         metadata, tensors = self._state_provider()
@@ -263,10 +301,37 @@ def outer_step_key(outer_step: int) -> str:
     return format(outer_step, "b")
 
 
+class _Abandoned(Exception):
+    """The search for a group was cancelled because ``should_abort`` said so."""
+
+
+def _wait_for_step(control: Any, should_abort: Callable[[], bool] | None, poll_s: float = 0.5) -> Any:
+    """The result of a background ``averager.step``; while it is still looking for a group, poll
+    ``should_abort`` and cancel the search if it says so (an all-reduce that began is never cancelled)."""
+    while True:
+        try:
+            return control.result(timeout=poll_s)
+        except TimeoutError:
+            pass
+        if should_abort is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP and should_abort():
+            control.cancel()
+            raise _Abandoned()
+
+
 def run_averaging(
-    averager: DilocoAverager, tensors: Sequence[torch.Tensor], weight: float, outer_step: int, timeout_s: float
+    averager: DilocoAverager,
+    tensors: Sequence[torch.Tensor],
+    weight: float,
+    outer_step: int,
+    timeout_s: float,
+    expected_group_size: int | None = None,
+    should_abort: Callable[[], bool] | None = None,
 ) -> AveragingOutcome:
     """Average ``tensors`` with the peers of ``outer_step``; never raises for network failures.
+
+    ``expected_group_size``: the peers this one expects (itself included); the group starts averaging as soon
+    as that many joined, and otherwise after the matchmaking time with whoever came. ``should_abort``, polled
+    while no group is found yet, ends a search that cannot succeed any more (the swarm moved past this step).
 
     A failure before any result arrived (no group yet, a groupmate gone during matchmaking) is retried
     until ``timeout_s``. A *partial* all-reduce is not retried: some groupmates may already hold the
@@ -275,21 +340,27 @@ def run_averaging(
     with averager.get_tensors() as buffers:
         for buffer, tensor in zip(buffers, tensors, strict=True):
             buffer.copy_(tensor)
-    averager.set_group_bits(outer_step_key(outer_step))
+    averager.set_round(outer_step, expected_group_size)
     deadline = time.monotonic() + timeout_s
     while True:
+        control = averager.step(
+            gather=dict(outer_step=outer_step, weight=weight),
+            weight=weight,
+            timeout=max(1.0, deadline - time.monotonic()),
+            allow_retries=False,
+            wait=False,
+        )
         try:
-            gathered = averager.step(
-                gather=dict(outer_step=outer_step, weight=weight),
-                weight=weight,
-                timeout=max(1.0, deadline - time.monotonic()),
-                allow_retries=False,
-            )
+            gathered = _wait_for_step(control, should_abort)
+        except _Abandoned:
+            return AveragingOutcome(None, (), 0.0, "stale", "the swarm moved past this outer step while we looked for a group")
         except Exception as e:  # hivemind raises a zoo of types for a failed round; all mean "no average"
             text = f"{type(e).__name__}: {e}"
             status = "partial" if "partial all-reduce" in text else "no_group" if "group" in text else "error"
             if status == "partial" or deadline - time.monotonic() < 1.0:
                 return AveragingOutcome(None, (), 0.0, status, text[:300])
+            if should_abort is not None and should_abort():
+                return AveragingOutcome(None, (), 0.0, "stale", "the swarm moved past this outer step")
             logger.debug("averaging attempt failed (%s); retrying", text)
             continue
         break

@@ -53,5 +53,10 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def newest(directory: str | Path) -> Path | None:
-    files = sorted(Path(directory).glob("outer_step_*.pt"))
-    return files[-1] if files else None
+    files = candidates(directory)
+    return files[0] if files else None
+
+
+def candidates(directory: str | Path) -> list[Path]:
+    """The checkpoints in ``directory``, newest first (temporary files of an interrupted save are not ones)."""
+    return sorted(Path(directory).glob("outer_step_*.pt"), reverse=True)

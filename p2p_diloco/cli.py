@@ -50,6 +50,7 @@ _FLAG_FIELDS = {
     "metrics_file": ("run", "metrics_file"),
     "checkpoint_dir": ("run", "checkpoint_dir"),
     "checkpoint_every": ("run", "checkpoint_every"),
+    "resume": ("run", "resume"),
     "eval_every": ("run", "eval_every"),
     "seed": ("run", "seed"),
     "threads": ("run", "threads"),
@@ -100,6 +101,7 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--metrics-file", default=s, metavar="PATH", help="write one JSON record per outer step to this file")
     run.add_argument("--checkpoint-dir", default=s, metavar="PATH", help="write atomic checkpoints to this folder")
     run.add_argument("--checkpoint-every", type=int, default=s, help=f"outer steps between checkpoints (default {d.run.checkpoint_every})")
+    run.add_argument("--resume", action="store_true", default=s, help="start from the newest readable checkpoint in --checkpoint-dir (a corrupt one is reported and the one before it used), then catch up with the swarm if it is ahead")
     run.add_argument("--eval-every", type=int, default=s, help=f"outer steps between held-out evaluations (default {d.run.eval_every})")
     run.add_argument("--threads", type=int, default=s, help=f"torch CPU threads for this peer (default {d.run.threads})")
 
@@ -179,9 +181,13 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
     stop = threading.Event()
     try:
         learner = Learner(config, dataset, metrics, stop)
+        resumed = learner.resume() if config.run.resume else None
     except ValueError as e:
         metrics.close()
         return _fail(prog, str(e))
+    if config.run.resume:
+        print(f"resumed from {resumed} at outer step {learner.outer_step}" if resumed
+              else f"no checkpoint in {config.run.checkpoint_dir} yet: starting fresh", flush=True)
     log.info("resolved config: %s", json.dumps(config.to_dict(), sort_keys=True))
     try:
         link = SwarmLink(config.swarm, learner.averaging_template(), learner.state_for_peers, config.inner.fragments)

@@ -152,6 +152,7 @@ class RunConfig:
     metrics_file: str | None = None  # JSON lines, one record per outer step; None = no file
     checkpoint_dir: str | None = None  # atomic checkpoints land here; None = no checkpoints
     checkpoint_every: int = 10  # outer steps between checkpoints (and one at shutdown)
+    resume: bool = False  # start from the newest readable checkpoint in checkpoint_dir (then catch up with the swarm)
     eval_every: int = 1  # evaluate on the held-out tail every this many outer steps
     eval_batches: int = 4  # batches of the held-out tail per evaluation
     seed: int = 0  # model init seed (shared by the swarm) is seed; data order uses seed + shard
@@ -162,6 +163,7 @@ class RunConfig:
         _require(self.max_outer_steps >= 0, f"run.max_outer_steps must be >= 0, got {self.max_outer_steps}")
         _require(self.max_time_s >= 0, f"run.max_time_s must be >= 0 seconds, got {self.max_time_s}")
         _require(self.checkpoint_every >= 1, f"run.checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        _require(not self.resume or bool(self.checkpoint_dir), "run.resume needs run.checkpoint_dir (--checkpoint-dir)")
         _require(self.eval_every >= 1, f"run.eval_every must be >= 1, got {self.eval_every}")
         _require(self.eval_batches >= 1, f"run.eval_batches must be >= 1, got {self.eval_batches}")
         _require(self.threads >= 1, f"run.threads must be >= 1, got {self.threads}")

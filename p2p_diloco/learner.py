@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
+from collections import deque
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
@@ -29,27 +31,33 @@ import torch
 from p2p_diloco import checkpoint
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import Dataset
-from p2p_diloco.link import AveragingOutcome, Link
+from p2p_diloco.link import AveragingOutcome, Link, SwarmState
 from p2p_diloco.metrics import MetricsSink
 from p2p_diloco.model import build_model
-from p2p_diloco.outer import OuterOptimizer, params_sha256
+from p2p_diloco.outer import OuterOptimizer, Segment, params_sha256
 
 logger = logging.getLogger(__name__)
+ROUND_HISTORY = 32  # outer steps whose group members a peer remembers and serves with its state
+PEAK_WINDOW_S = 1.0  # the window of the largest-burst figure (peak_send_bytes_per_s)
 
 
-def partition_fragments(params: list[torch.Tensor], count: int) -> list[list[int]]:
-    """Split the params, in order, into ``count`` contiguous fragments of about equal size (whole tensors)."""
-    if count > len(params):
-        raise ValueError(f"cannot split {len(params)} parameter tensors into {count} fragments")
-    total, fragments, current, filled = sum(p.numel() for p in params), [], [], 0
-    for index, param in enumerate(params):
-        current.append(index)
-        filled += param.numel()
-        remaining_params, remaining_fragments = len(params) - index - 1, count - len(fragments) - 1
-        if remaining_fragments and (filled >= total * (len(fragments) + 1) / count or remaining_params == remaining_fragments):
-            fragments.append(current)
-            current = []
-    fragments.append(current)
+def partition_fragments(params: list[torch.Tensor], count: int) -> list[list[Segment]]:
+    """Split the params, in order, into ``count`` contiguous fragments of equal size (to one value), cutting
+    tensors where a boundary falls inside one: equal fragments make equal bursts and no padding on the wire."""
+    sizes = [p.numel() for p in params]
+    total = sum(sizes)
+    if not 1 <= count <= total:
+        raise ValueError(f"cannot split {total} parameter values into {count} fragments")
+    bounds = [total * k // count for k in range(count + 1)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    fragments = []
+    for low, high in zip(bounds, bounds[1:]):
+        segments = []
+        for index, (start, size) in enumerate(zip(starts, sizes)):
+            first, last = max(low, start), min(high, start + size)
+            if first < last:
+                segments.append(Segment(index, first - start, last - start))
+        fragments.append(segments)
     return fragments
 
 
@@ -60,9 +68,9 @@ class PendingAveraging:
     future: Future
     outer_step: int
     weight: float
-    snapshot: list[torch.Tensor]  # local params of the fragment being averaged, as they were sent
+    snapshot: list[torch.Tensor]  # local params of the fragment being averaged, as they were sent (1-D per segment)
     fragment: int = 0
-    indices: list[int] = field(default_factory=list)  # positions of the fragment's params in model.parameters()
+    segments: list[Segment] = field(default_factory=list)  # where the fragment's values lie in model.parameters()
     started: float = field(default_factory=time.monotonic)
     traffic_before: tuple[int, int] = (0, 0)
     steps_during: int = 0  # inner steps this peer ran while the averaging was in flight
@@ -100,14 +108,19 @@ class Learner:
         self.fragments = partition_fragments(self.params, config.inner.fragments)
         self.unsynced_by_fragment = [0] * len(self.fragments)  # tokens of local progress not yet in each fragment
         self.peak_send_rate = 0.0  # bytes/s: the largest ~1 s burst of averaging traffic since the last record
-        self._traffic_sample: tuple[float, int] | None = None
+        self._traffic_samples: deque[tuple[float, int]] = deque()  # (time, bytes sent), one per inner step
         self.round_tokens = 0  # tokens this peer processed in the swarm's current round
         self.round_started = time.monotonic()
         self.steps_into_round = 0
         self.compute_s = self.blocked_s = 0.0
         self.catch_ups = self.forks_healed = 0
+        self.resumed_from: str | None = None
         self.peer_id = "?"
         self.pending: PendingAveraging | None = None
+        # an averaging that failed here may still have been applied by the others (a partial all-reduce is
+        # partial only for some of the group): it waits here until a downloaded round history says which
+        self.unconfirmed: PendingAveraging | None = None
+        self.round_history: dict[int, tuple[str, ...]] = {}  # outer step r -> peers whose gradients made r -> r+1
         self.interval = Interval()
         self._state_lock = threading.Lock()  # guards global state against a concurrent state download
         self._eval_batches = dataset.eval_batches(config.run.eval_batches)
@@ -122,21 +135,22 @@ class Learner:
         """The tensors one averaging carries: the params themselves, or one flat buffer that fits any fragment."""
         if len(self.fragments) == 1:
             return [torch.zeros_like(p) for p in self.global_params]
-        return [torch.zeros(max(sum(self.params[i].numel() for i in f) for f in self.fragments))]
+        return [torch.zeros(max(sum(s.stop - s.start for s in f) for f in self.fragments))]
 
-    def _pack(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        if len(self.fragments) == 1:
-            return tensors
+    def _pack(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """1-D pieces of one fragment -> the averaging template's tensors."""
+        if len(self.fragments) == 1:  # whole tensors: keep their shapes
+            return [piece.view(param.shape) for piece, param in zip(pieces, self.params)]
         (template,) = self.averaging_template()
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        return [torch.cat([flat, template[flat.numel():]])]  # zero padding up to the largest fragment
+        flat = torch.cat(pieces)
+        return [torch.cat([flat, template[flat.numel() :]])]  # fragments differ by one value at most
 
-    def _unpack(self, averaged: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
+    def _unpack(self, averaged: list[torch.Tensor], segments: list[Segment]) -> list[torch.Tensor]:
+        """The averaging template's tensors -> 1-D pieces, one per segment of the fragment."""
         if len(self.fragments) == 1:
-            return averaged
-        sizes = [self.params[i].numel() for i in indices]
-        pieces = averaged[0][: sum(sizes)].split(sizes)
-        return [piece.reshape(self.params[i].shape) for piece, i in zip(pieces, indices)]
+            return [tensor.reshape(-1) for tensor in averaged]
+        sizes = [s.stop - s.start for s in segments]
+        return list(averaged[0][: sum(sizes)].split(sizes))
 
     @property
     def round_index(self) -> int:
@@ -152,6 +166,7 @@ class Learner:
                 outer_steps_taken=self.outer.steps_taken,
                 steps_into_round=self.steps_into_round,
                 peer_id=self.peer_id,
+                round_history={str(step): list(peers) for step, peers in self.round_history.items()},
             )
             tensors = [t.clone() for t in self.global_params] + [t.clone() for t in self.outer.state_tensors()]
         return metadata, tensors
@@ -160,7 +175,8 @@ class Learner:
         """Train until max_outer_steps, max_time_s or ``stop``; writes one metrics record per outer step."""
         self._started = time.monotonic()
         self.peer_id = link.peer_id
-        self._write(link, AveragingOutcome(None, (), 0.0, "init"))
+        resumed = f"resumed from {self.resumed_from}" if self.resumed_from else ""
+        self._write(link, AveragingOutcome(None, (), 0.0, "init", resumed))
         self._publish_step(link)
         self._catch_up(link)
         self.round_started = time.monotonic()
@@ -227,17 +243,20 @@ class Learner:
         if self.pending is not None:
             self.pending.steps_during += 1
         self._sample_traffic(link)
-        link.publish(round=self.round_index, round_tokens=self.round_tokens, tokens=self.tokens_total)
+        rate = self.round_tokens / max(1e-3, time.monotonic() - self.round_started)
+        link.publish(round=self.round_index, round_tokens=self.round_tokens, tokens=self.tokens_total, rate=round(rate, 1))
 
     def _sample_traffic(self, link: Link) -> None:
-        """Track the largest send rate over windows of about a second (the burst that streaming fragments cut)."""
+        """Track the largest send rate over a sliding window of just over a second, sampled at every inner
+        step (the burst that streaming fragments cut)."""
         now, (sent, _) = time.monotonic(), link.traffic()
-        if self._traffic_sample is None:
-            self._traffic_sample = (now, sent)
-        elif now - self._traffic_sample[0] >= 1.0:
-            started, sent_before = self._traffic_sample
+        samples = self._traffic_samples
+        samples.append((now, sent))
+        while len(samples) > 2 and samples[1][0] <= now - PEAK_WINDOW_S:
+            samples.popleft()  # keep exactly one sample at least a window old
+        started, sent_before = samples[0]
+        if now - started >= PEAK_WINDOW_S:
             self.peak_send_rate = max(self.peak_send_rate, (sent - sent_before) / (now - started))
-            self._traffic_sample = (now, sent)
 
     def _round_budget_tokens(self, live_peers: int) -> int:
         """The swarm-wide tokens of one outer step: the round's budget (configured, or H steps of this peer's
@@ -271,14 +290,14 @@ class Learner:
         # take the swarm's state now; our progress is rebased onto it
         self._catch_up(link)
         fragment = self.outer_step % len(self.fragments)
-        indices = self.fragments[fragment]
-        snapshot = [self.params[i].detach().clone() for i in indices]
-        outer_grads = [self.global_params[i] - s for i, s in zip(indices, snapshot)]
+        segments = self.fragments[fragment]
+        snapshot = [s.of(self.params).detach().clone() for s in segments]
+        outer_grads = [s.of(self.global_params) - local for s, local in zip(segments, snapshot)]
         weight = float(self.tokens_unsynced)
         traffic_before = link.traffic()
         future = link.average_async(self._pack(outer_grads), weight=weight, outer_step=self.outer_step)
         self.pending = PendingAveraging(
-            future, self.outer_step, weight, snapshot, fragment, indices, traffic_before=traffic_before
+            future, self.outer_step, weight, snapshot, fragment, segments, traffic_before=traffic_before
         )
         self.round_tokens, self.steps_into_round = 0, 0
         self.round_started = time.monotonic()
@@ -296,19 +315,22 @@ class Learner:
         if outcome.averaged is not None and pending.outer_step != self.outer_step:
             outcome = AveragingOutcome(None, outcome.peers, outcome.weight_total, "stale", "global params moved on")
         if outcome.averaged is not None:
-            indices = pending.indices
+            segments = pending.segments
             with self._state_lock:
-                self.outer.step(self._unpack(outcome.averaged, indices), indices)
+                self.outer.step(self._unpack(outcome.averaged, segments), segments)
                 self.outer_step += 1
                 self.global_sha256 = params_sha256(self.global_params)
             with torch.no_grad():  # local_params <- new_global + (local_params - snapshot): keep the work done since
-                for index, snapshot in zip(indices, pending.snapshot):
-                    param = self.params[index]
-                    param.copy_(self.global_params[index] + (param - snapshot))  # exactly new_global if idle
+                for segment, snapshot in zip(segments, pending.snapshot):
+                    param = segment.of(self.params)
+                    param.copy_(segment.of(self.global_params) + (param - snapshot))  # exactly new_global if idle
             self.unsynced_by_fragment[pending.fragment] -= int(pending.weight)
+            self._remember_round(pending.outer_step, outcome.peers)
+            self.unconfirmed = None
             self._publish_step(link)
         else:
             logger.warning("outer step %d: averaging failed (%s: %s)", pending.outer_step, outcome.status, outcome.reason)
+            self.unconfirmed = pending
         traffic = [after - before for after, before in zip(link.traffic(), pending.traffic_before)]
         self._write(link, outcome, pending, traffic)
         if outcome.averaged is None:
@@ -337,12 +359,21 @@ class Learner:
             what = "ahead of" if behind else "on other bytes at"
             logger.warning("swarm is %s outer step %d; no verified state could be downloaded", what, self.outer_step)
             return False
+        applied = self._unconfirmed_was_applied(state, link.peer_id)
         with torch.no_grad(), self._state_lock:
+            if applied is not None:  # that fragment's progress up to the snapshot is in the new global already
+                for segment, snapshot in zip(applied.segments, applied.snapshot):
+                    segment.of(self.params).add_(segment.of(self.global_params) - snapshot)
+                self.unsynced_by_fragment[applied.fragment] -= int(applied.weight)
             for param, old, new in zip(self.params, self.global_params, state.global_params):
                 param.add_(new - old)  # local_params <- new_global + (local_params - old_global)
                 old.copy_(new)
             self.outer.load_state(state.momentum, state.outer_steps_taken)
             self.outer_step, self.global_sha256 = state.outer_step, state.global_sha256
+            for step, peers in state.round_history.items():
+                self.round_history.setdefault(step, peers)
+            self._trim_history()
+        self.unconfirmed = None
         self.catch_ups += 1
         self.forks_healed += int(forked)
         logger.info(
@@ -355,6 +386,29 @@ class Learner:
         status = "fork_healed" if forked else "caught_up"
         self._write(link, AveragingOutcome(None, (), 0.0, status, f"downloaded from {state.donor}"))
         return True
+
+    def _unconfirmed_was_applied(self, state: SwarmState, peer_id: str) -> PendingAveraging | None:
+        """The failed averaging whose outer gradient the swarm applied after all, per the donor's history.
+
+        Without this, a peer whose all-reduce was partial on its side only would carry its progress into the
+        next round and have it counted twice. With no history for that step, the progress is carried (the
+        round most likely failed for everyone).
+        """
+        pending = self.unconfirmed
+        if pending is None or state.outer_step <= pending.outer_step:
+            return None
+        if peer_id in state.round_history.get(pending.outer_step, ()):
+            logger.info("outer step %d: the swarm applied our outer gradient although our side failed", pending.outer_step)
+            return pending
+        return None
+
+    def _remember_round(self, outer_step: int, peers: tuple[str, ...]) -> None:
+        self.round_history[outer_step] = tuple(peers)
+        self._trim_history()
+
+    def _trim_history(self) -> None:
+        for step in sorted(self.round_history)[:-ROUND_HISTORY]:
+            del self.round_history[step]
 
     def _add_blocked(self, seconds: float) -> None:
         self.blocked_s += seconds
@@ -394,6 +448,7 @@ class Learner:
                 status=outcome.status,
                 reason=outcome.reason,
                 time_s=round(elapsed, 3),
+                unix_time=round(time.time(), 3),  # wall clock: lines up the records of restarted peers
                 tokens=self.tokens_total,
                 interval_tokens=interval.tokens,
                 inner_steps=interval.inner_steps,
@@ -438,6 +493,69 @@ class Learner:
                 inner_optimizer=self.inner.state_dict(),
                 data_position=self.dataset.train.position,
                 tokens_total=self.tokens_total,
+                unsynced_by_fragment=list(self.unsynced_by_fragment),
             )
         path = checkpoint.save_atomic(self.config.run.checkpoint_dir, self.outer_step, state)
         logger.info("checkpoint written: %s", path)
+
+    def resume(self) -> Path | None:
+        """Restore the newest readable checkpoint of ``run.checkpoint_dir``; None if there is none yet.
+
+        A corrupt, truncated or foreign file is reported (its name and why) and the one before it is tried;
+        nothing is deleted or rewritten. If files exist but none can be used, raise ValueError.
+        """
+        directory = self.config.run.checkpoint_dir
+        assert directory, "resume needs a checkpoint folder"
+        problems = []
+        for path in checkpoint.candidates(directory):
+            try:
+                self._restore(checkpoint.load(path), path)
+            except ValueError as e:
+                logger.error("%s; trying the checkpoint before it", e)
+                problems.append(str(e))
+                continue
+            logger.info("resumed from %s at outer step %d (%d tokens so far)", path, self.outer_step, self.tokens_total)
+            return path
+        if problems:
+            raise ValueError(f"no usable checkpoint in {directory}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        return None
+
+    def _restore(self, state: dict, path: Path) -> None:
+        """Check everything first, then change state: a checkpoint that fails a check leaves the learner as it was."""
+        try:
+            global_params, momentum = list(state["global_params"]), list(state["momentum"])
+            local_model, inner_state = state["local_model"], state["inner_optimizer"]
+            outer_step, steps_taken = int(state["outer_step"]), int(state["outer_steps_taken"])
+            position, tokens_total = int(state["data_position"]), int(state["tokens_total"])
+            saved_sha = str(state["global_sha256"])
+            unsynced = [int(t) for t in state.get("unsynced_by_fragment", [0] * len(self.fragments))]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"checkpoint {path} lacks a field or has a bad one ({type(e).__name__}: {e})") from None
+        shapes = [tuple(p.shape) for p in self.global_params]
+        for name, tensors in (("global params", global_params), ("outer momentum", momentum)):
+            if [tuple(t.shape) for t in tensors] != shapes or any(t.dtype != torch.float32 for t in tensors):
+                raise ValueError(f"checkpoint {path} holds {name} of another model than this config builds")
+        if params_sha256(global_params) != saved_sha:
+            raise ValueError(f"checkpoint {path} is damaged: its global params do not match their sha256")
+        if any(not torch.isfinite(t).all() for t in global_params + momentum):
+            raise ValueError(f"checkpoint {path} holds non-finite global params or momentum")
+        if len(unsynced) != len(self.fragments):
+            raise ValueError(f"checkpoint {path} was written with {len(unsynced)} fragments, this run uses {len(self.fragments)}")
+        try:
+            model_before, inner_before = self.model.state_dict(), self.inner.state_dict()
+            model_before = {k: v.clone() for k, v in model_before.items()}
+            self.model.load_state_dict(local_model)
+            self.inner.load_state_dict(inner_state)
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            self.model.load_state_dict(model_before)
+            self.inner.load_state_dict(inner_before)
+            raise ValueError(f"checkpoint {path} holds a local model or optimizer that does not fit ({type(e).__name__})") from None
+        with torch.no_grad(), self._state_lock:
+            for target, value in zip(self.global_params, global_params):
+                target.copy_(value)
+            self.outer.load_state(momentum, steps_taken)
+            self.outer_step, self.global_sha256 = outer_step, saved_sha
+        self.dataset.train.position = position
+        self.tokens_total = tokens_total
+        self.unsynced_by_fragment = unsynced
+        self.resumed_from = str(path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -39,6 +39,8 @@ class SwarmState:
     steps_into_round: int  # inner steps the donor had done in its current round when it served us
     global_sha256: str
     donor: str
+    # outer step r -> the peers whose outer gradients made step r -> r+1, as the donor knows it (recent steps)
+    round_history: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,23 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from p2p_diloco.config import OuterConfig
+
+
+class Segment(NamedTuple):
+    """Elements ``start:stop`` of the flattened parameter tensor number ``index``."""
+
+    index: int
+    start: int
+    stop: int
+
+    def of(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The segment as a 1-D view into ``tensors[index]``: writing to it writes to the tensor."""
+        return tensors[self.index].view(-1)[self.start : self.stop]
 
 
 class OuterOptimizer:
@@ -28,13 +41,17 @@ class OuterOptimizer:
         self.steps_taken = 0
 
     @torch.no_grad()
-    def step(self, outer_grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
-        """Apply the outer step to all params, or only to ``indices`` (one streaming fragment)."""
-        indices = range(len(self.params)) if indices is None else indices
-        if len(outer_grads) != len(indices):
-            raise ValueError(f"expected {len(indices)} outer gradients, got {len(outer_grads)}")
-        for index, grad in zip(indices, outer_grads):
-            param, buffer = self.params[index], self.momentum_buffers[index]
+    def step(self, outer_grads: Sequence[torch.Tensor], segments: Sequence[Segment] | None = None) -> None:
+        """Apply the outer step to all params (one gradient per param), or only to ``segments`` (one streaming
+        fragment: one 1-D gradient per segment). The arithmetic is elementwise, so a segment's bytes do not
+        depend on what else is updated."""
+        if segments is None:
+            targets = list(zip(self.params, self.momentum_buffers))
+        else:
+            targets = [(s.of(self.params), s.of(self.momentum_buffers)) for s in segments]
+        if len(outer_grads) != len(targets):
+            raise ValueError(f"expected {len(targets)} outer gradients, got {len(outer_grads)}")
+        for (param, buffer), grad in zip(targets, outer_grads):
             update = grad
             if self.momentum:
                 # the buffer starts at zero, so the first step leaves it equal to the gradient, as torch's SGD does

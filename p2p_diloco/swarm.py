@@ -21,7 +21,7 @@ import torch
 from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
-from p2p_diloco.averaging import DilocoAverager, WireCodec, run_averaging
+from p2p_diloco.averaging import DilocoAverager, WireCodec, part_values_for, run_averaging
 from p2p_diloco.compression import ErrorFeedback, make_codec
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
@@ -142,7 +142,7 @@ class SwarmLink:
             self._averager = DilocoAverager(
                 [torch.zeros_like(t) for t in template],  # what one averaging carries (all params, or a fragment)
                 self.dht,
-                wire_codec=WireCodec(self.codec),
+                wire_codec=WireCodec(self.codec, part_values_for(self.codec, sum(t.numel() for t in template))),
                 state_provider=state_provider,
                 prefix=f"{config.run_id}_averaging",
                 start=True,
@@ -221,14 +221,23 @@ class SwarmLink:
         if self._error_feedback is not None:
             feedback = self._error_feedback[outer_step % len(self._error_feedback)]
             tensors, residual = feedback.prepare(list(tensors))
-        if not self.live_peers():
+        live = self.live_peers()
+        if not live:
             outcome = self.average_alone(tensors, weight)
         else:
             assert self._averager is not None
-            outcome = run_averaging(self._averager, tensors, weight, outer_step, self.config.averaging_timeout_s)
+            timeout_s = self.config.averaging_timeout_s
+            outcome = run_averaging(
+                self._averager, tensors, weight, outer_step, timeout_s, 1 + len(live), lambda: self._moved_past(outer_step)
+            )
         if feedback is not None and residual is not None and outcome.averaged is not None:
             feedback.commit(residual)
         return outcome
+
+    def _moved_past(self, outer_step: int) -> bool:
+        """Some live peer already reports a later outer step: a group for ``outer_step`` will not form any more."""
+        assert self._beacon is not None
+        return any(int(r.get("outer_step", -1)) > outer_step for r in list(self._beacon.peers.values()))
 
     def average_async(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> Future:
         """Start averaging in a background thread and return at once; the future holds the outcome."""
@@ -248,9 +257,10 @@ class SwarmLink:
     def round_view(self, round_index: int) -> RoundView:
         assert self._beacon is not None
         peers = list(self._beacon.peers.values())
+        now = get_dht_time()
         return RoundView(
             live_peers=len(peers),
-            tokens_by_others=sum(int(r.get("round_tokens", 0)) for r in peers if r.get("round") == round_index),
+            tokens_by_others=sum(_tokens_now(r, now, 2 * self.config.progress_period_s) for r in peers if r.get("round") == round_index),
             peers_ahead=sum(int(r.get("round", -1)) > round_index for r in peers),
         )
 
@@ -305,6 +315,7 @@ class SwarmLink:
             steps_into_round=int(metadata.get("steps_into_round", 0)),
             global_sha256=digest,
             donor=str(metadata.get("peer_id", "?")),
+            round_history=_parse_history(metadata.get("round_history")),
         )
 
     def close(self) -> None:
@@ -319,6 +330,26 @@ class SwarmLink:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+
+
+def _tokens_now(record: dict, now: float, horizon_s: float) -> int:
+    """A peer's round tokens now: what it published, plus its rate times the record's age (at most
+    ``horizon_s``). Records are a period or two old; without this, short rounds overshoot their budget."""
+    try:
+        tokens, rate, age = int(record.get("round_tokens", 0)), float(record.get("rate", 0.0)), now - float(record.get("time", now))
+    except (TypeError, ValueError):
+        return 0
+    return tokens + int(max(0.0, rate) * min(max(0.0, age), horizon_s))
+
+
+def _parse_history(value: object) -> dict[int, tuple[str, ...]]:
+    """A donor's round history, keeping only well-formed entries (it is a hint, never trusted for bytes)."""
+    history: dict[int, tuple[str, ...]] = {}
+    if isinstance(value, dict):
+        for step, peers in value.items():
+            if isinstance(step, int | str) and str(step).isdigit() and isinstance(peers, list | tuple):
+                history[int(step)] = tuple(str(p) for p in peers)
+    return history
 
 
 def check_multiaddr(text: str, need_peer_id: bool) -> str:

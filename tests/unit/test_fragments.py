@@ -1,4 +1,4 @@
-"""Streaming fragments: a balanced contiguous split, and each outer step touching only its own fragment."""
+"""Streaming fragments: an equal contiguous split, and each outer step touching only its own fragment."""
 
 from __future__ import annotations
 
@@ -13,19 +13,26 @@ from p2p_diloco.metrics import NullSink
 from .helpers import make_dataset, snapshot
 
 
-@pytest.mark.parametrize("count", [1, 2, 3, 5])
-def test_partition_is_contiguous_complete_and_balanced(count):
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 7])
+def test_partition_is_contiguous_complete_and_equal(count):
     params = [torch.zeros(n) for n in (100, 10, 300, 50, 50, 200, 90, 200)]
     fragments = partition_fragments(params, count)
     assert len(fragments) == count and all(fragments)
-    assert [i for fragment in fragments for i in fragment] == list(range(len(params)))
-    sizes = [sum(params[i].numel() for i in fragment) for fragment in fragments]
-    assert max(sizes) <= sum(sizes) / count + 300  # within one tensor of an even split
+    # walking the fragments in order visits every value of every tensor once, in order
+    walked = [(s.index, v) for fragment in fragments for s in fragment for v in range(s.start, s.stop)]
+    assert walked == [(i, v) for i, p in enumerate(params) for v in range(p.numel())]
+    sizes = [sum(s.stop - s.start for s in fragment) for fragment in fragments]
+    assert max(sizes) - min(sizes) <= 1
 
 
-def test_more_fragments_than_tensors_is_refused():
+def test_one_fragment_is_the_whole_tensors():
+    params = [torch.zeros(2, 3), torch.zeros(4)]
+    assert partition_fragments(params, 1) == [[(0, 0, 6), (1, 0, 4)]]
+
+
+def test_more_fragments_than_values_is_refused():
     with pytest.raises(ValueError, match="fragments"):
-        partition_fragments([torch.zeros(3), torch.zeros(3)], 3)
+        partition_fragments([torch.zeros(3), torch.zeros(3)], 7)
 
 
 def test_each_outer_step_updates_only_its_fragment(make_config):
@@ -39,11 +46,35 @@ def test_each_outer_step_updates_only_its_fragment(make_config):
     learner.run(LocalLink("none"))
     assert learner.outer_step == 1
     first, second = learner.fragments
-    for i in second:  # not synced yet: the global params of fragment 1 are still the initial ones
-        assert torch.equal(learner.global_params[i], initial[i])
-    for i in first:  # synced with outer lr 1 alone in the swarm: global = the local params that were sent
-        assert not torch.equal(learner.global_params[i], initial[i])
-        torch.testing.assert_close(learner.global_params[i], learner.params[i])
-    # the averaging carried one flat buffer sized for the larger fragment, not the whole model
+    for s in second:  # not synced yet: the global params of fragment 1 are still the initial ones
+        assert torch.equal(s.of(learner.global_params), s.of(initial))
+    for s in first:  # synced with outer lr 1 alone in the swarm: global = the local params that were sent
+        assert not torch.equal(s.of(learner.global_params), s.of(initial))
+        torch.testing.assert_close(s.of(learner.global_params), s.of([p.detach() for p in learner.params]))
+    # the averaging carried one flat buffer of half the model (rounded up), not the whole model
     (template,) = learner.averaging_template()
-    assert template.numel() == max(sum(learner.params[i].numel() for i in f) for f in learner.fragments)
+    total = sum(p.numel() for p in learner.params)
+    assert template.numel() == -(-total // 2)
+
+
+def test_peak_send_rate_is_the_largest_burst_over_a_sliding_second(make_config, monkeypatch):
+    learner = Learner(make_config(), make_dataset(make_config()), NullSink())
+    clock, sent = [0.0], [0]
+
+    class Counters:
+        def traffic(self):
+            return sent[0], 0
+
+    monkeypatch.setattr("p2p_diloco.learner.time.monotonic", lambda: clock[0])
+    # an inner step every 0.25 s; 400 kB trickle over 2 s, then 1 MB in a single step at t = 3.1
+    for step in range(24):
+        clock[0] = step * 0.25 + (0.1 if step == 12 else 0.0)
+        if 1 <= step <= 8:
+            sent[0] += 50_000
+        if step == 12:
+            sent[0] += 1_000_000
+        learner._sample_traffic(Counters())
+    # at t = 3.1 the window reaches back to t = 2.0 (1.1 s); one step later, to t = 2.25 (1.0 s): the largest
+    # rate is the burst over one second, while the trickle never exceeded 200 kB/s
+    assert learner._take_peak_rate() == pytest.approx(1_000_000 / 1.0)
+    assert learner.peak_send_rate == 0.0  # taken: the next record starts afresh

@@ -176,3 +176,45 @@ def test_round_end_catches_up_before_taking_the_outer_gradient(make_config):
     assert_all_close(call["tensors"], [g - lo for g, lo in zip(old_global, old_local, strict=True)])
     assert learner.outer_step == 5 and learner.pending is None  # the group of one answered at once
     assert learner.tokens_unsynced == 0 and learner.round_tokens == 0 and learner.steps_into_round == 0
+
+
+def _failed_on_our_side(learner: Learner) -> PendingAveraging:
+    """An averaging of outer step 0 whose all-reduce failed here after our outer gradient went out."""
+    segments = learner.fragments[0]
+    snapshot_now = [s.of(learner.params).detach().clone() for s in segments]
+    future: Future = Future()
+    future.set_result(AveragingOutcome(None, (), 0.0, "partial", "partial all-reduce: 10 of 100 values lost"))
+    learner.pending = PendingAveraging(future, 0, float(learner.tokens_unsynced), snapshot_now, 0, segments)
+    return learner.pending
+
+
+def _apply_failed_round_then_catch_up(make_config, history_peers):
+    learner = _learner_with_local_progress(make_config)
+    link = AheadLink(-1, None)
+    pending = _failed_on_our_side(learner)
+    learner._complete_averaging(link)  # failed here: the progress stays local, for now
+    assert learner.unconfirmed is pending and learner.outer_step == 0
+    for _ in range(LOCAL_STEPS):  # more local progress after the snapshot
+        learner._inner_step(link)
+    old_global, old_local = snapshot(learner.global_params), snapshot(learner.params)
+    state = _swarm_state(learner, outer_step=1, steps_into_round=0)
+    state = SwarmState(**{**state.__dict__, "round_history": {0: tuple(history_peers)}})
+    assert learner._catch_up(AheadLink(1, state)) is True
+    return learner, pending, state, old_global, old_local
+
+
+def test_a_round_failed_only_on_our_side_is_not_counted_twice(make_config):
+    learner, pending, state, _old_global, old_local = _apply_failed_round_then_catch_up(make_config, ["fake", "other"])
+    # the donor's history says our outer gradient made step 0 -> 1: only the progress after the snapshot is carried
+    expected = [n + (lo - s.view(lo.shape)) for n, lo, s in zip(state.global_params, old_local, pending.snapshot, strict=True)]
+    assert_all_close(learner.params, expected)
+    assert learner.tokens_unsynced == LOCAL_STEPS * BATCH * learner.config.model.seq_len
+    assert learner.unconfirmed is None and learner.round_history[0] == ("fake", "other")
+
+
+def test_a_round_that_failed_without_us_carries_all_progress(make_config):
+    learner, _pending, state, old_global, old_local = _apply_failed_round_then_catch_up(make_config, ["other", "third"])
+    expected = [n + (lo - og) for n, lo, og in zip(state.global_params, old_local, old_global, strict=True)]
+    assert_all_close(learner.params, expected)
+    assert learner.tokens_unsynced == 2 * LOCAL_STEPS * BATCH * learner.config.model.seq_len
+    assert learner.unconfirmed is None

@@ -132,7 +132,7 @@ def test_inner_steps_run_while_averaging_and_their_work_is_kept(make_config):
     assert pending is not None and not pending.future.done()
     assert len(link.calls) == 1
     assert link.calls[0]["outer_step"] == 0 and link.calls[0]["weight"] == float(H * BATCH_TOKENS)
-    assert_all_close(pending.snapshot, local_at_round_end, rtol=0, atol=0)
+    assert_all_close(pending.snapshot, [t.reshape(-1) for t in local_at_round_end], rtol=0, atol=0)
     assert_all_close(link.calls[0]["tensors"], [g - s for g, s in zip(global_before, local_at_round_end, strict=True)])
     assert learner.round_index == 1 and learner.round_tokens == 0  # our tokens now count towards the next round
 
@@ -142,7 +142,7 @@ def test_inner_steps_run_while_averaging_and_their_work_is_kept(make_config):
     assert learner.pending is pending and pending.steps_during == during
     assert learner.outer_step == 0
     assert_all_close(learner.global_params, global_before, rtol=0, atol=0)  # untouched until the outcome arrives
-    assert any(not torch.equal(p, s) for p, s in zip(learner.params, pending.snapshot, strict=True))
+    assert any(not torch.equal(p.reshape(-1), s) for p, s in zip(learner.params, pending.snapshot, strict=True))
     assert link.published[-1]["round"] == 1
     assert learner.tokens_unsynced == (H + during) * BATCH_TOKENS
 
@@ -159,7 +159,7 @@ def test_inner_steps_run_while_averaging_and_their_work_is_kept(make_config):
     assert_all_close(learner.outer.state_tensors(), reference.state_tensors())
     assert learner.global_sha256 == params_sha256(learner.global_params)
     expected_local = [
-        g + (lo - s) for g, lo, s in zip(expected_global, local_before_completion, pending.snapshot, strict=True)
+        g + (lo - s.view(g.shape)) for g, lo, s in zip(expected_global, local_before_completion, pending.snapshot, strict=True)
     ]
     assert_all_close(learner.params, expected_local)
     assert_all_close(list(learner.model.parameters()), expected_local)
