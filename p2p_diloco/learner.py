@@ -21,10 +21,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from pathlib import Path
 from collections import deque
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
