@@ -62,25 +62,35 @@ class PeerProcess:
 
 
 def start_peer(
-    name: str, out_dir: Path, peer_args: list[str], initial_peer: str | None, python: str = sys.executable
+    name: str,
+    out_dir: Path,
+    peer_args: list[str],
+    initial_peer: str | list[str] | None,
+    python: str = sys.executable,
+    append: bool = False,
 ) -> PeerProcess:
+    """Start ``peers/peer.py`` in its own process group, logging to ``out_dir/NAME.log`` and writing metrics to
+    ``out_dir/NAME.jsonl``; ``append`` keeps both files (a restarted peer continues them)."""
     metrics_file, log_file = out_dir / f"{name}.jsonl", out_dir / f"{name}.log"
-    metrics_file.unlink(missing_ok=True)
+    if not append:
+        metrics_file.unlink(missing_ok=True)
     command = [python, str(PEER_SCRIPT), *peer_args, "--metrics-file", str(metrics_file)]
     command += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
-    if initial_peer:
-        command += ["--initial-peers", initial_peer]
+    initial = [initial_peer] if isinstance(initial_peer, str) else list(initial_peer or [])
+    if initial:
+        command += ["--initial-peers", *initial]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    with open(log_file, "wb") as log:
+    with open(log_file, "ab" if append else "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     return PeerProcess(name, process, metrics_file, log_file)
 
 
-def wait_for_address(peer: PeerProcess, timeout_s: float = 120.0) -> str:
-    """The multiaddr a peer prints once it is in the swarm; raises RuntimeError if it dies or times out."""
+def wait_for_address(peer: PeerProcess, timeout_s: float = 120.0, log_offset: int = 0) -> str:
+    """The multiaddr a peer prints once it is in the swarm (in its log after byte ``log_offset``); raises
+    RuntimeError if it dies or times out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = peer.log_file.read_text(errors="replace") if peer.log_file.exists() else ""
+        text = peer.log_file.read_bytes()[log_offset:].decode(errors="replace") if peer.log_file.exists() else ""
         match = _JOIN_LINE.search(text)
         if match:
             return match.group(1)
@@ -101,9 +111,12 @@ class LocalSwarm:
         self.peers: dict[str, PeerProcess] = {}
         self.address: str | None = None
 
-    def start(self, name: str, shard: int, num_shards: int, extra: list[str] | None = None) -> PeerProcess:
+    def start(
+        self, name: str, shard: int, num_shards: int, extra: list[str] | None = None, append: bool = False
+    ) -> PeerProcess:
+        """Start a peer (``append``: a restart that continues the metrics and log of an earlier one)."""
         flags = [*self.flags, *(extra or []), "--shard-index", str(shard), "--num-shards", str(num_shards)]
-        peer = start_peer(name, self.out_dir, flags, self.address)
+        peer = start_peer(name, self.out_dir, flags, self.address, append=append)
         if self._on_start:
             self._on_start(peer.process.pid)
         self.peers[name] = peer

@@ -85,6 +85,7 @@ class Interval:
     loss_sum: float = 0.0
     compute_s: float = 0.0
     blocked_s: float = 0.0
+    longest_block_s: float = 0.0  # the longest single wait of the training loop
 
     @property
     def mean_loss(self) -> float | None:
@@ -294,6 +295,8 @@ class Learner:
         snapshot = [s.of(self.params).detach().clone() for s in segments]
         outer_grads = [s.of(self.global_params) - local for s, local in zip(segments, snapshot)]
         weight = float(self.tokens_unsynced)
+        what = f"fragment {fragment + 1}/{len(self.fragments)}" if len(self.fragments) > 1 else "outer gradient"
+        logger.info("outer step %d: averaging started (%s, weight %d tokens)", self.outer_step, what, weight)
         traffic_before = link.traffic()
         future = link.average_async(self._pack(outer_grads), weight=weight, outer_step=self.outer_step)
         self.pending = PendingAveraging(
@@ -413,6 +416,7 @@ class Learner:
     def _add_blocked(self, seconds: float) -> None:
         self.blocked_s += seconds
         self.interval.blocked_s += seconds
+        self.interval.longest_block_s = max(self.interval.longest_block_s, seconds)
 
     def _publish_step(self, link: Link) -> None:
         link.publish(outer_step=self.outer_step, global_sha256=self.global_sha256, round=self.round_index)
@@ -469,6 +473,7 @@ class Learner:
                 blocked_s=round(self.blocked_s, 4),
                 interval_compute_s=round(interval.compute_s, 4),
                 interval_blocked_s=round(interval.blocked_s, 4),
+                longest_block_s=round(interval.longest_block_s, 4),
                 tokens_per_s=round(self.tokens_total / elapsed, 1) if elapsed > 0 else 0.0,
                 catch_ups=self.catch_ups,
                 forks_healed=self.forks_healed,

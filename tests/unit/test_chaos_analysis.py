@@ -1,0 +1,63 @@
+"""The chaos harness's figures, computed from hand-made metrics files and a fault log."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from p2p_diloco import checkpoint
+from p2p_diloco.chaos import analyse
+
+
+def _record(t, step, status="ok", compute=0.0, block=0.0, sha="a", eval_loss=None, reason="", loss=2.0):
+    return dict(unix_time=t, outer_step=step, status=status, compute_s=compute, longest_block_s=block,
+                global_sha256=f"{sha}{step}", eval_loss=eval_loss, reason=reason, loss=loss)
+
+
+def _write(tmp_path, name, records):
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    directory = tmp_path / "ckpt" / name
+    checkpoint.save_atomic(directory, records[-1]["outer_step"], dict(outer_step=records[-1]["outer_step"]))
+    return str(path), str(directory)
+
+
+def test_goodput_leaves_out_the_victims_fault_window_and_times_its_return(tmp_path):
+    survivor = [_record(0, 0, "init"), _record(10, 1, compute=9.0, block=0.5), _record(20, 2, compute=18.0, block=2.0),
+                _record(30, 3, compute=27.0, eval_loss=2.5)]
+    victim = [_record(0, 0, "init"), _record(10, 1, compute=9.5),
+              # killed at 12, restarted at 17; resumed; first contribution at 24
+              _record(18, 1, "init", compute=0.0, reason="resumed from ckpt/outer_step_00000001.pt"),
+              _record(19, 2, "caught_up", compute=0.5, block=0.8), _record(24, 2, "ok", compute=5.0, block=9.0),
+              _record(30, 3, compute=10.0, eval_loss=2.5)]
+    metrics, checkpoints = {}, {}
+    for name, records in (("a", survivor), ("b", victim)):
+        metrics[name], checkpoints[name] = _write(tmp_path, name, records)
+    run = dict(began=0.0, ended=30.0, faults=[dict(peer="b", kind="kill", at=12.0, back_at=17.0, had_checkpoint=True)],
+               exit_codes={"a": 0, "b": 0}, metrics=metrics, checkpoints=checkpoints)
+
+    result = analyse(run, averaging_timeout_s=30)
+
+    # survivor: 27 s of compute in 30 s; victim: only 0->10 (9.5 s) and 24->30 (5 s) count, 16 s of wall
+    assert result["survivors_goodput"] == pytest.approx((27.0 + 9.5 + 5.0) / (30.0 + 16.0), abs=1e-4)
+    assert result["swarm_goodput"] == pytest.approx((27.0 + 9.5 + 10.0) / (2 * 30.0), abs=1e-4)
+    assert result["longest_stall_s"] == {"a": 2.0, "b": 0.0}  # the victim's recovery waits are not a survivor's
+    (restart,) = result["restarts"]
+    assert restart["to_first_contribution_s"] == 7.0 and restart["down_s"] == 5.0
+    assert restart["resumed_from_checkpoint"] is True and result["lost_checkpoints"] == 0
+    assert result["every_restart_contributed"] and result["invariant_1"]["held"]
+    assert result["final_eval_loss"] == 2.5 and result["non_finite_values"] == 0
+
+
+def test_a_restart_that_did_not_resume_its_checkpoint_and_a_nan_are_reported(tmp_path):
+    survivor = [_record(0, 0, "init"), _record(10, 1, compute=9.0, loss=float("nan"))]
+    victim = [_record(0, 0, "init"), _record(4, 0, "init"), _record(8, 1, compute=3.0)]
+    metrics, checkpoints = {}, {}
+    for name, records in (("a", survivor), ("b", victim)):
+        metrics[name], checkpoints[name] = _write(tmp_path, name, records)
+    run = dict(began=0.0, ended=10.0, faults=[dict(peer="b", kind="kill", at=1.0, back_at=3.0, had_checkpoint=True)],
+               exit_codes={}, metrics=metrics, checkpoints=checkpoints)
+    result = analyse(run, averaging_timeout_s=30)
+    assert result["lost_checkpoints"] == 1
+    assert result["non_finite_values"] == 1
