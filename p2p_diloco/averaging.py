@@ -22,6 +22,7 @@ import asyncio
 import ctypes
 import logging
 import multiprocessing as mp
+import signal
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -245,6 +246,12 @@ class DilocoAverager(DecentralizedAverager):
         self.runner_class = runner_class  # tests inject faults with a subclass (RPC names follow our class name)
         super().__init__(averaged_tensors, dht, compression=wire_codec, **kwargs)
 
+    def run(self) -> None:
+        # the averager process belongs to its peer: a SIGTERM sent to the whole process group (systemd, a
+        # launcher, kill -- -PGID) must leave it to the peer's own shutdown, which still needs it to finish
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        super().run()
+
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, group_id=None, **kwargs):
         # hivemind adds deltas as they arrive; we collect exact averages and write them only if none is missing
         group_id = group_info.group_id if group_id is None else group_id
@@ -273,7 +280,7 @@ class DilocoAverager(DecentralizedAverager):
         self._outer_pipe.send(
             ("_set_round", [], dict(group_bits=outer_step_key(outer_step), target=expected_group_size, future=future))
         )
-        future.result()
+        future.result(timeout=30)
 
     async def _set_round(self, group_bits: str, target: int | None, future: MPFuture) -> None:
         try:
@@ -340,7 +347,10 @@ def run_averaging(
     with averager.get_tensors() as buffers:
         for buffer, tensor in zip(buffers, tensors, strict=True):
             buffer.copy_(tensor)
-    averager.set_round(outer_step, expected_group_size)
+    try:
+        averager.set_round(outer_step, expected_group_size)
+    except Exception as e:  # the averager process is gone or stuck: no round this time
+        return AveragingOutcome(None, (), 0.0, "error", f"averager did not answer: {type(e).__name__}: {e}"[:300])
     deadline = time.monotonic() + timeout_s
     while True:
         control = averager.step(

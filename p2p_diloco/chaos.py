@@ -94,6 +94,7 @@ class ChaosSwarm:
 
     def recover(self, fault: Fault) -> None:
         name = fault.peer
+        fault.back_at = time.time()  # the restart (or thaw) begins: time to contribute counts from here
         if fault.kind == "kill":
             fault.had_checkpoint = checkpoint.newest(self.checkpoint_dir(name)) is not None
             initial = [address for other, address in self.addresses.items() if other in self.up()]
@@ -105,15 +106,13 @@ class ChaosSwarm:
             self.addresses[name] = wait_for_address(peer, log_offset=offset)
         else:
             self.processes[name].signal_group(signal.SIGCONT)
-        fault.back_at = time.time()
         del self.down[name]
 
     def stop_all(self) -> dict[str, int | None]:
         for name in list(self.down):
             self.processes[name].signal_group(signal.SIGCONT)  # a frozen peer cannot handle SIGTERM
         for peer in self.processes.values():
-            if peer.alive:
-                peer.signal_group(signal.SIGTERM)
+            peer.terminate()
         return {name: peer.stop(grace_s=40) for name, peer in self.processes.items()}
 
 

@@ -169,7 +169,7 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
     from p2p_diloco.learner import Learner
     from p2p_diloco.metrics import open_sink
     from p2p_diloco.model import count_parameters
-    from p2p_diloco.swarm import SwarmLink, SwarmStartError
+    from p2p_diloco.swarm import SwarmLink, SwarmStartError, reap_descendants
 
     log = logging.getLogger("p2p_diloco.peer")
     torch.set_num_threads(config.run.threads)
@@ -206,6 +206,8 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
     finally:
         link.close()
         metrics.close()
+        # this program owns its children: p2pd and anything else a killed child orphaned go with it
+        reap_descendants()
     print(f"peer {link.peer_id} stopped at outer step {learner.outer_step}", flush=True)
     sys.stderr.flush()
     # everything is saved and closed; an abandoned averaging thread stuck in hivemind must not keep the

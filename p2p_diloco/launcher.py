@@ -46,10 +46,15 @@ class PeerProcess:
         except ProcessLookupError:
             pass
 
-    def stop(self, grace_s: float = 20.0) -> int | None:
-        """SIGTERM the group, wait ``grace_s``, then SIGKILL whatever of the group is left."""
+    def terminate(self) -> None:
+        """Ask the peer to stop (SIGTERM to the peer process; it stops its own averager, DHT and p2pd)."""
         if self.alive:
-            self.signal_group(signal.SIGTERM)
+            self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """SIGTERM the peer, wait ``grace_s``, then SIGKILL whatever of its group is left."""
+        if self.alive:
+            self.terminate()
             try:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
@@ -159,8 +164,7 @@ class LocalSwarm:
 
     def stop_all(self) -> dict[str, int | None]:
         for peer in self.peers.values():
-            if peer.alive:
-                peer.signal_group(signal.SIGTERM)  # all at once, so none trains on alone meanwhile
+            peer.terminate()  # all at once, so none trains on alone meanwhile
         return {name: peer.stop(grace_s=40) for name, peer in self.peers.items()}
 
 

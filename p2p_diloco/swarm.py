@@ -10,12 +10,14 @@ round means: it reports what happened.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 from hivemind import DHT
@@ -29,10 +31,20 @@ from p2p_diloco.outer import params_sha256
 
 logger = logging.getLogger(__name__)
 _BOOTSTRAP_ATTEMPTS = 3
+_DHT_TIMEOUT_S = 10.0
 
 
 class SwarmStartError(RuntimeError):
     """The peer could not join or start the swarm (bad address, unreachable peers, identity in use)."""
+
+
+class _PeerDHT(DHT):
+    """hivemind's DHT process, which leaves SIGTERM to its peer (see DilocoAverager.run): a SIGTERM sent to
+    the whole process group must not take the DHT away from a peer that is saving and leaving."""
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        super().run()
 
 
 def start_dht(config: SwarmConfig) -> DHT:
@@ -53,7 +65,7 @@ def start_dht(config: SwarmConfig) -> DHT:
         for attempt in range(_BOOTSTRAP_ATTEMPTS):
             dht = None
             try:
-                dht = DHT(**kwargs)
+                dht = _PeerDHT(**kwargs)
                 dht.wait_until_ready(timeout=config.startup_timeout_s)
                 return dht
             except Exception as e:
@@ -196,7 +208,11 @@ class SwarmLink:
 
     def live_peers(self) -> dict[str, dict]:
         """Progress records of the other peers whose record has not expired."""
-        found = self.dht.get(self._progress_key, latest=True)
+        try:  # bounded: a DHT process that died (or a p2pd that did) must not hang the training loop
+            found = self.dht.get(self._progress_key, latest=True, return_future=True).result(timeout=_DHT_TIMEOUT_S)
+        except Exception as e:
+            logger.debug("reading progress records failed: %r", e)
+            return dict(self._beacon.peers) if self._beacon is not None else {}
         peers = {}
         if found is not None and isinstance(found.value, dict):
             for peer, item in found.value.items():
@@ -326,10 +342,46 @@ class SwarmLink:
         if self._averager is not None:
             if self._averager.is_alive():
                 self._averager.shutdown()
+            _kill_if_alive(self._averager)
             self._averager = None
         if self.dht is not None:
-            self.dht.shutdown()
+            if self.dht.is_alive():
+                self.dht.shutdown()
+            _kill_if_alive(self.dht)
             self.dht = None
+
+
+def _kill_if_alive(process: Any, wait_s: float = 5.0) -> None:
+    """hivemind's shutdown ends with terminate() (SIGTERM), which our children ignore: finish the job."""
+    process.join(timeout=wait_s)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout=wait_s)
+
+
+def reap_descendants() -> int:
+    """SIGKILL every process descended from this one (Linux /proc; elsewhere nothing); returns how many."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))  # fields: state, ppid, ...
+    found, stack = [], list(children.get(os.getpid(), []))
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack.extend(children.get(pid, []))
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(found)
 
 
 def _tokens_now(record: dict, now: float, horizon_s: float) -> int:
