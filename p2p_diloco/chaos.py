@@ -327,14 +327,15 @@ def main(argv: list[str] | None = None, prog: str = "chaos.py") -> int:
     own.add_argument("--kill-every-s", type=float, default=30, help="seconds between faults (default 30)")
     own.add_argument("--restart-after-s", type=float, default=10, help="seconds a faulted peer stays down (default 10)")
     own.add_argument("--stop-fraction", type=float, default=0.3, help="share of faults that freeze (SIGSTOP) instead of kill (default 0.3)")
-    own.add_argument("--seed", type=int, default=0, help="seed of the fault schedule (default 0)")
+    own.add_argument("--fault-seed", type=int, default=0, help="seed of the fault schedule (default 0)")
+    own.add_argument("--settle-s", type=float, default=30, help="no fault starts in the last restart-after + this many seconds, so every faulted peer can contribute again before the end (default 30)")
     own.add_argument("--no-calm", action="store_true", help="skip the calm comparison run")
     own.add_argument("--out", default="runs/chaos", help="output folder (default runs/chaos)")
     add_peer_flags(parser)
     args = parser.parse_args(argv)
     problems = [
         (args.peers < 3, "--peers must be >= 3 (faults never take down the last two peers)"),
-        (args.duration_s <= 0 or args.kill_every_s <= 0 or args.restart_after_s <= 0, "durations must be > 0"),
+        (min(args.duration_s, args.kill_every_s, args.restart_after_s) <= 0 or args.settle_s < 0, "durations must be > 0"),
         (not 0 <= args.stop_fraction <= 1, "--stop-fraction must be in [0, 1]"),
     ]
     for bad, message in problems:
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None, prog: str = "chaos.py") -> int:
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    own_flags = {"--peers", "--duration-s", "--kill-every-s", "--restart-after-s", "--stop-fraction", "--seed", "--no-calm", "--out"}
+    own_flags = {"--peers", "--duration-s", "--kill-every-s", "--restart-after-s", "--stop-fraction", "--fault-seed", "--settle-s", "--no-calm", "--out"}
     peer_flags, skip = [], False
     for token in argv if argv is not None else sys.argv[1:]:
         if skip:
@@ -364,12 +365,12 @@ def main(argv: list[str] | None = None, prog: str = "chaos.py") -> int:
     print(f"chaotic swarm: {args.peers} peers, {args.duration_s:.0f} s, a fault every {args.kill_every_s:.0f} s, "
           f"back after {args.restart_after_s:.0f} s", flush=True)
     run = run_swarm(out / "chaotic", peer_flags, args.peers, args.duration_s, args.kill_every_s, args.restart_after_s,
-                    args.stop_fraction, args.seed, progress=lambda line: print(line, flush=True))
+                    args.stop_fraction, args.fault_seed, progress=lambda line: print(line, flush=True), settle_s=args.settle_s)
     result["chaotic"] = analyse(run, timeout)
     calm_run = None
     if not args.no_calm:
         print(f"calm swarm: {args.peers} peers, {args.duration_s:.0f} s, no faults", flush=True)
-        calm_run = run_swarm(out / "calm", peer_flags, args.peers, args.duration_s, None, args.restart_after_s, 0.0, args.seed)
+        calm_run = run_swarm(out / "calm", peer_flags, args.peers, args.duration_s, None, args.restart_after_s, 0.0, args.fault_seed)
         result["calm"] = analyse(calm_run, timeout)
         if result["calm"]["final_eval_loss"] and result["chaotic"]["final_eval_loss"]:
             result["eval_loss_vs_calm"] = round(result["chaotic"]["final_eval_loss"] / result["calm"]["final_eval_loss"] - 1, 4)

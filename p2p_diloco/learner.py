@@ -388,6 +388,8 @@ class Learner:
         self._publish_step(link)
         status = "fork_healed" if forked else "caught_up"
         self._write(link, AveragingOutcome(None, (), 0.0, status, f"downloaded from {state.donor}"))
+        if self.config.run.checkpoint_dir:  # a restart after this resumes here, not from before the download
+            self.save_checkpoint()
         return True
 
     def _unconfirmed_was_applied(self, state: SwarmState, peer_id: str) -> PendingAveraging | None:
