@@ -22,6 +22,7 @@ import asyncio
 import ctypes
 import logging
 import multiprocessing as mp
+import random
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -36,7 +37,10 @@ from hivemind.compression import CompressionBase, CompressionInfo, deserialize_t
 from hivemind.compression import serialization as hivemind_serialization
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 from p2p_diloco.compression import Codec, make_codec
 from p2p_diloco.link import AveragingOutcome
@@ -297,6 +301,51 @@ class DilocoAverager(DecentralizedAverager):
         except Exception as e:
             if not future.done():
                 future.set_exception(e)
+
+    def load_state_excluding(
+        self, timeout: float, exclude: Sequence[str] = ()
+    ) -> tuple[Any, Sequence[torch.Tensor], str] | None:
+        """hivemind's ``load_state_from_peers``, skipping donors in ``exclude`` (base58 peer ids): a donor whose
+        state failed verification is not asked again, the next one in priority order is. Returns
+        ``(metadata, tensors, donor's peer id)`` or None."""
+        future = MPFuture()
+        self._outer_pipe.send(("_load_state_excluding", [], dict(future=future, exclude=tuple(exclude))))
+        return future.result(timeout=timeout)
+
+    async def _load_state_excluding(self, future: MPFuture, exclude: tuple[str, ...]) -> None:
+        # as DecentralizedAverager._load_state_from_peers in hivemind 1.1.12, plus the ``exclude`` filter
+        try:
+            key_manager = self._matchmaking.group_key_manager
+            found, _ = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True) or ({}, None)
+            priority = {
+                PeerID(peer_id): (float(info.value), random.random())  # randomness breaks ties
+                for peer_id, info in (found.items() if isinstance(found, dict) else [])
+                if isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)
+            }
+            for peer in sorted(priority, key=priority.get, reverse=True):
+                if peer == self.peer_id or peer.to_base58() in exclude:
+                    continue
+                try:
+                    stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+                    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+                    metadata, parts, tensors = None, [], []
+                    async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
+                        if message.metadata:
+                            metadata = self.serializer.loads(message.metadata)
+                        if message.tensor_part.dtype and parts:  # a new tensor begins
+                            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                            parts = []
+                        parts.append(message.tensor_part)
+                    if parts:
+                        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    if metadata:
+                        future.set_result((metadata, tensors, peer.to_base58()))
+                        return
+                except Exception as e:
+                    logger.warning("state download from %s failed: %r", peer, e)
+        finally:
+            if not future.done():
+                future.set_result(None)
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
         metadata, tensors = self._state_provider()

@@ -200,15 +200,21 @@ def analyse(run: dict[str, Any], averaging_timeout_s: float) -> dict[str, Any]:
             (r["unix_time"] for r in records.get(fault["peer"], []) if r.get("status") == "ok" and r["unix_time"] > back),
             None,
         )
-        windows[fault["peer"]].append((fault["at"], first_ok or math.inf))
+        # a restart cut short by the peer's next fault never had its chance: reported, but not timed
+        next_fault = min((f["at"] for f in faults if f["peer"] == fault["peer"] and f["at"] > fault["at"]), default=math.inf)
+        interrupted = next_fault < (first_ok if first_ok is not None else math.inf)
+        windows[fault["peer"]].append((fault["at"], min(next_fault, first_ok if first_ok is not None else math.inf)))
+        if interrupted:
+            first_ok = None
         resumed = None
-        if fault["kind"] == "kill" and fault["back_at"] is not None:
+        if fault["kind"] == "kill" and fault["back_at"] is not None and not interrupted:
             init = next((r for r in records.get(fault["peer"], []) if r.get("status") == "init" and r["unix_time"] > back), None)
             resumed = bool(init and str(init.get("reason", "")).startswith("resumed from"))
         restarts.append(dict(
             peer=fault["peer"], kind=fault["kind"], at_s=round(fault["at"] - run["began"], 1),
             down_s=round(back - fault["at"], 1),
             to_first_contribution_s=round(first_ok - back, 1) if first_ok else None,
+            interrupted_by_next_fault=interrupted,
             resumed_from_checkpoint=resumed, had_checkpoint=fault["had_checkpoint"],
         ))
     compute = wall = 0.0
@@ -238,7 +244,7 @@ def analyse(run: dict[str, Any], averaging_timeout_s: float) -> dict[str, Any]:
             checkpoint.load(newest)
         except ValueError as e:
             unreadable.append(f"{name}: {e}")
-    contributed = [r["to_first_contribution_s"] for r in restarts]
+    contributed = [r["to_first_contribution_s"] for r in restarts if not r["interrupted_by_next_fault"]]
     return dict(
         duration_s=round(run["ended"] - run["began"], 1),
         faults=len(faults),
@@ -367,11 +373,13 @@ def main(argv: list[str] | None = None, prog: str = "chaos.py") -> int:
     run = run_swarm(out / "chaotic", peer_flags, args.peers, args.duration_s, args.kill_every_s, args.restart_after_s,
                     args.stop_fraction, args.fault_seed, progress=lambda line: print(line, flush=True), settle_s=args.settle_s)
     result["chaotic"] = analyse(run, timeout)
+    result["chaotic_run"] = run  # the fault log and times, to re-analyse from the metrics files
     calm_run = None
     if not args.no_calm:
         print(f"calm swarm: {args.peers} peers, {args.duration_s:.0f} s, no faults", flush=True)
         calm_run = run_swarm(out / "calm", peer_flags, args.peers, args.duration_s, None, args.restart_after_s, 0.0, args.fault_seed)
         result["calm"] = analyse(calm_run, timeout)
+        result["calm_run"] = calm_run
         if result["calm"]["final_eval_loss"] and result["chaotic"]["final_eval_loss"]:
             result["eval_loss_vs_calm"] = round(result["chaotic"]["final_eval_loss"] / result["calm"]["final_eval_loss"] - 1, 4)
     plot(result["chaotic"], result.get("calm"), run, out / "chaos.png")

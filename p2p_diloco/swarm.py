@@ -297,31 +297,37 @@ class SwarmLink:
         """
         assert self._averager is not None
         deadline = time.monotonic() + self.config.state_timeout_s
+        refused: set[str] = set()  # donors whose state failed verification: the next one in priority is asked
         while time.monotonic() < deadline:
             remaining = deadline - time.monotonic()
             try:
-                loaded = self._averager.load_state_from_peers(timeout=remaining)
+                loaded = self._averager.load_state_excluding(timeout=remaining, exclude=sorted(refused))
             except Exception as e:
                 logger.warning("state download failed: %s", _first_line(e))
                 loaded = None
             if loaded is None:
+                refused.clear()  # nobody else had it: give everyone another chance (the swarm may have moved)
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
                 continue
-            state = self._verified_state(*loaded, num_params=num_params)
+            metadata, tensors, donor = loaded
+            state = self._verified_state(metadata, tensors, num_params=num_params, donor=donor)
             if state is not None:
                 return state
+            refused.add(donor)
         return None
 
-    def _verified_state(self, metadata: object, tensors: Sequence[torch.Tensor], num_params: int) -> SwarmState | None:
+    def _verified_state(
+        self, metadata: object, tensors: Sequence[torch.Tensor], num_params: int, donor: str
+    ) -> SwarmState | None:
         if not isinstance(metadata, dict) or len(tensors) != 2 * num_params:
-            logger.warning("a donor sent a malformed state; trying another")
+            logger.warning("donor %s sent a malformed state; asking another", donor)
             return None
         params, momentum = [t.float() for t in tensors[:num_params]], [t.float() for t in tensors[num_params:]]
         digest = params_sha256(params)
         outer_step = int(metadata.get("outer_step", -1))
         expected = self.canonical_sha(outer_step)
         if digest != expected or digest != metadata.get("global_sha256"):
-            logger.warning("downloaded state for outer step %d does not match the swarm's sha256; retrying", outer_step)
+            logger.warning("state for outer step %d from %s does not match the swarm's sha256; asking another donor", outer_step, donor)
             return None
         return SwarmState(
             outer_step=outer_step,
@@ -330,7 +336,7 @@ class SwarmLink:
             outer_steps_taken=int(metadata.get("outer_steps_taken", outer_step)),
             steps_into_round=int(metadata.get("steps_into_round", 0)),
             global_sha256=digest,
-            donor=str(metadata.get("peer_id", "?")),
+            donor=donor,
             round_history=_parse_history(metadata.get("round_history")),
         )
 

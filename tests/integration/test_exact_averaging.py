@@ -117,3 +117,37 @@ def test_a_reducer_that_breaks_off_makes_the_round_fail_not_half_averaged():
     # hivemind alone would report success with the crashed part left at each peer's own value
     assert all(o.status != "ok" and o.averaged is None for o in honest), [(o.status, o.reason, o.peers) for o in outcomes]
     assert any("partial" in o.reason for o in honest), [o.reason for o in honest]
+
+
+def test_state_download_skips_refused_donors_and_names_the_donor():
+    dhts = [DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    address = [str(a) for a in dhts[0].get_visible_maddrs()]
+    dhts += [DHT(start=True, initial_peers=address, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
+    averagers = [
+        DilocoAverager(
+            [torch.zeros(4)], dht, wire_codec=WireCodec(make_codec("none")),
+            state_provider=lambda i=i: ({"who": i}, [torch.full((4,), float(i))]),
+            prefix="state_test", start=True, allow_state_sharing=True, declare_state_period=1.0,
+        )
+        for i, dht in enumerate(dhts)
+    ]
+    try:
+        averagers[1].state_sharing_priority = 2.0  # the first choice
+        averagers[2].state_sharing_priority = 1.0
+        ids = [a.peer_id.to_base58() for a in averagers]
+        deadline = threading.Event()
+        for _ in range(30):  # the declarations reach the DHT within a couple of periods
+            loaded = averagers[0].load_state_excluding(timeout=10)
+            if loaded is not None and loaded[2] == ids[1]:
+                break
+            deadline.wait(1.0)
+        metadata, tensors, donor = loaded
+        assert (metadata, donor) == ({"who": 1}, ids[1]) and torch.equal(tensors[0], torch.full((4,), 1.0))
+        metadata, tensors, donor = averagers[0].load_state_excluding(timeout=10, exclude=[ids[1]])
+        assert (metadata, donor) == ({"who": 2}, ids[2]) and torch.equal(tensors[0], torch.full((4,), 2.0))
+        assert averagers[0].load_state_excluding(timeout=10, exclude=[ids[1], ids[2]]) is None
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()

@@ -61,3 +61,21 @@ def test_a_restart_that_did_not_resume_its_checkpoint_and_a_nan_are_reported(tmp
     result = analyse(run, averaging_timeout_s=30)
     assert result["lost_checkpoints"] == 1
     assert result["non_finite_values"] == 1
+
+
+def test_a_restart_cut_short_by_the_next_fault_is_reported_but_not_timed(tmp_path):
+    survivor = [_record(0, 0, "init"), _record(40, 3, compute=38.0)]
+    victim = [_record(0, 0, "init"), _record(8, 1, compute=7.0),
+              _record(14, 1, "init", reason="resumed from x"),  # restarted at 13, killed again at 16
+              _record(22, 1, "init", reason="resumed from x"), _record(30, 2, "ok", compute=6.0)]
+    metrics, checkpoints = {}, {}
+    for name, records in (("a", survivor), ("b", victim)):
+        metrics[name], checkpoints[name] = _write(tmp_path, name, records)
+    faults = [dict(peer="b", kind="kill", at=10.0, back_at=13.0, had_checkpoint=True),
+              dict(peer="b", kind="kill", at=16.0, back_at=21.0, had_checkpoint=True)]
+    run = dict(began=0.0, ended=40.0, faults=faults, exit_codes={}, metrics=metrics, checkpoints=checkpoints)
+    result = analyse(run, averaging_timeout_s=30)
+    first, second = result["restarts"]
+    assert first["interrupted_by_next_fault"] and first["to_first_contribution_s"] is None
+    assert not second["interrupted_by_next_fault"] and second["to_first_contribution_s"] == 9.0
+    assert result["every_restart_contributed"] and result["longest_time_to_contribute_s"] == 9.0
