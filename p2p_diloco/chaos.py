@@ -207,9 +207,10 @@ def analyse(run: dict[str, Any], averaging_timeout_s: float) -> dict[str, Any]:
         if interrupted:
             first_ok = None
         resumed = None
-        if fault["kind"] == "kill" and fault["back_at"] is not None and not interrupted:
+        if fault["kind"] == "kill" and fault["back_at"] is not None:
             init = next((r for r in records.get(fault["peer"], []) if r.get("status") == "init" and r["unix_time"] > back), None)
-            resumed = bool(init and str(init.get("reason", "")).startswith("resumed from"))
+            if init is not None and init["unix_time"] < next_fault:  # this restart got as far as training
+                resumed = str(init.get("reason", "")).startswith("resumed from")
         restarts.append(dict(
             peer=fault["peer"], kind=fault["kind"], at_s=round(fault["at"] - run["began"], 1),
             down_s=round(back - fault["at"], 1),
@@ -337,6 +338,7 @@ def main(argv: list[str] | None = None, prog: str = "chaos.py") -> int:
     own.add_argument("--settle-s", type=float, default=30, help="no fault starts in the last restart-after + this many seconds, so every faulted peer can contribute again before the end (default 30)")
     own.add_argument("--no-calm", action="store_true", help="skip the calm comparison run")
     own.add_argument("--out", default="runs/chaos", help="output folder (default runs/chaos)")
+    own.add_argument("--reanalyse", action="store_true", help="do not run anything: recompute OUT/chaos.json and OUT/chaos.png from the fault log and metrics files a previous run left in OUT")
     add_peer_flags(parser)
     args = parser.parse_args(argv)
     problems = [
@@ -353,7 +355,7 @@ def main(argv: list[str] | None = None, prog: str = "chaos.py") -> int:
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    own_flags = {"--peers", "--duration-s", "--kill-every-s", "--restart-after-s", "--stop-fraction", "--fault-seed", "--settle-s", "--no-calm", "--out"}
+    own_flags = {"--peers", "--duration-s", "--kill-every-s", "--restart-after-s", "--stop-fraction", "--fault-seed", "--settle-s", "--no-calm", "--out", "--reanalyse"}
     peer_flags, skip = [], False
     for token in argv if argv is not None else sys.argv[1:]:
         if skip:
@@ -361,12 +363,14 @@ def main(argv: list[str] | None = None, prog: str = "chaos.py") -> int:
             continue
         name = token.split("=", 1)[0]
         if name in own_flags:
-            skip = "=" not in token and name != "--no-calm"
+            skip = "=" not in token and name not in ("--no-calm", "--reanalyse")
             continue
         peer_flags.append(token)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     timeout = config.swarm.averaging_timeout_s
+    if args.reanalyse:
+        return _reanalyse(out, timeout, prog)
     result: dict[str, Any] = dict(command=" ".join([prog, *(argv if argv is not None else sys.argv[1:])]))
     print(f"chaotic swarm: {args.peers} peers, {args.duration_s:.0f} s, a fault every {args.kill_every_s:.0f} s, "
           f"back after {args.restart_after_s:.0f} s", flush=True)
@@ -374,14 +378,32 @@ def main(argv: list[str] | None = None, prog: str = "chaos.py") -> int:
                     args.stop_fraction, args.fault_seed, progress=lambda line: print(line, flush=True), settle_s=args.settle_s)
     result["chaotic"] = analyse(run, timeout)
     result["chaotic_run"] = run  # the fault log and times, to re-analyse from the metrics files
-    calm_run = None
     if not args.no_calm:
         print(f"calm swarm: {args.peers} peers, {args.duration_s:.0f} s, no faults", flush=True)
         calm_run = run_swarm(out / "calm", peer_flags, args.peers, args.duration_s, None, args.restart_after_s, 0.0, args.fault_seed)
         result["calm"] = analyse(calm_run, timeout)
         result["calm_run"] = calm_run
-        if result["calm"]["final_eval_loss"] and result["chaotic"]["final_eval_loss"]:
-            result["eval_loss_vs_calm"] = round(result["chaotic"]["final_eval_loss"] / result["calm"]["final_eval_loss"] - 1, 4)
+    return _finish(out, result, run, timeout)
+
+
+def _reanalyse(out: Path, timeout: float, prog: str) -> int:
+    import sys
+
+    try:
+        previous = json.loads((out / "chaos.json").read_text())
+        run = previous["chaotic_run"]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"{prog}: error: no chaos run to re-analyse in {out} ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    result = dict(previous, chaotic=analyse(run, timeout))
+    if "calm_run" in previous:
+        result["calm"] = analyse(previous["calm_run"], timeout)
+    return _finish(out, result, run, timeout)
+
+
+def _finish(out: Path, result: dict[str, Any], run: dict[str, Any], timeout: float) -> int:
+    if result.get("calm", {}).get("final_eval_loss") and result["chaotic"]["final_eval_loss"]:
+        result["eval_loss_vs_calm"] = round(result["chaotic"]["final_eval_loss"] / result["calm"]["final_eval_loss"] - 1, 4)
     plot(result["chaotic"], result.get("calm"), run, out / "chaos.png")
     path = write_result(out, result)
     chaotic = result["chaotic"]
