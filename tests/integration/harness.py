@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 
 from p2p_diloco.launcher import LocalSwarm
@@ -17,3 +19,13 @@ FAST_PEER_FLAGS = [
 def local_swarm(out_dir: Path, reaper: list[int], extra_flags: list[str] | None = None) -> LocalSwarm:
     """A LocalSwarm of fast test peers whose process groups the test's reaper kills at teardown."""
     return LocalSwarm(out_dir, FAST_PEER_FLAGS + (extra_flags or []), on_start=reaper.append)
+
+
+def wait_for_log(path: Path, pattern: str, offset: int, timeout_s: float) -> None:
+    """Wait until ``pattern`` appears in the log at ``path`` after byte ``offset``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if re.search(pattern, path.read_bytes()[offset:].decode(errors="replace")):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {pattern!r} in {path} within {timeout_s} s")

@@ -4,12 +4,10 @@ and contributes again; a corrupt checkpoint is named and the one before it used;
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +16,7 @@ from p2p_diloco.chaos import analyse, run_swarm
 from p2p_diloco.launcher import PEER_SCRIPT
 from p2p_diloco.report import check_invariant_1
 
-from .harness import FAST_PEER_FLAGS, local_swarm
+from .harness import FAST_PEER_FLAGS, local_swarm, wait_for_log
 
 pytestmark = pytest.mark.integration
 
@@ -66,15 +64,6 @@ def test_sigterm_saves_leaves_the_swarm_and_no_process_behind(tmp_path, reaper):
     swarm.stop_all()
 
 
-def _wait_for_log(path: Path, pattern: str, offset: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if re.search(pattern, path.read_bytes()[offset:].decode(errors="replace")):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no {pattern!r} in {path} within {timeout_s} s")
-
-
 @pytest.mark.timeout(360)
 def test_killed_during_averaging_resumes_from_its_checkpoint_and_contributes(tmp_path, reaper):
     swarm = local_swarm(tmp_path, reaper)
@@ -86,7 +75,7 @@ def test_killed_during_averaging_resumes_from_its_checkpoint_and_contributes(tmp
         swarm.start(f"peer{index}", shard=index, num_shards=3, extra=flags(index))
     swarm.wait_until(lambda: all(_grouped(swarm.records(f"peer{i}"), 3) for i in range(3)), 100, "a group of 3")
     victim = swarm.peers["peer2"]
-    _wait_for_log(victim.log_file, r"averaging started", victim.log_file.stat().st_size, 60)
+    wait_for_log(victim.log_file, r"averaging started", victim.log_file.stat().st_size, 60)
     victim.signal_group(signal.SIGKILL)  # mid-averaging: its groupmates lose its parts
     victim.process.wait(timeout=30)
     before = swarm.records("peer2")

@@ -9,7 +9,7 @@ import pytest
 
 from p2p_diloco.report import ROUND_STATUSES, check_invariant_1
 
-from .harness import local_swarm
+from .harness import local_swarm, wait_for_log
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +103,8 @@ def test_overlap_token_weights_and_a_peer_that_misses_rounds(tmp_path, reaper):
     swarm.wait_until(lambda: all(_grouped(swarm.records(f"peer{i}"), 3) for i in range(3)), 100, "a group of 3")
 
     frozen = swarm.peers["peer2"]
-    frozen.signal_group(signal.SIGSTOP)  # hung, sockets open: the others must go on without it
+    wait_for_log(frozen.log_file, r"averaging started", frozen.log_file.stat().st_size, 60)
+    frozen.signal_group(signal.SIGSTOP)  # hung mid-averaging, sockets open: the others must go on without it
     step_before = swarm.outer_step("peer0")
     swarm.wait_until(lambda: swarm.outer_step("peer0") >= step_before + 2, 90, "two rounds without the frozen peer")
     frozen.signal_group(signal.SIGCONT)
