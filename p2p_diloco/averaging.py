@@ -252,7 +252,9 @@ class DilocoAverager(DecentralizedAverager):
 
     def run(self) -> None:
         # the averager process belongs to its peer: a SIGTERM sent to the whole process group (systemd, a
-        # launcher, kill -- -PGID) must leave it to the peer's own shutdown, which still needs it to finish
+        # launcher, kill -- -PGID) must leave it to the peer's own shutdown, which still needs it to finish.
+        # So hivemind's shutdown() fallback (terminate(), a SIGTERM) no longer ends it: the owner SIGKILLs it
+        # if shutdown() did not (SwarmLink.close does)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         super().run()
 
@@ -370,6 +372,8 @@ def _wait_for_step(control: Any, should_abort: Callable[[], bool] | None, poll_s
         except TimeoutError:
             pass
         if should_abort is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP and should_abort():
+            # if a group formed between the check and the cancel, its all-reduce still runs and the others may
+            # apply our outer gradient while we report "stale": the learner's round history settles that case
             control.cancel()
             raise _Abandoned()
 

@@ -333,6 +333,8 @@ class Learner:
             self._publish_step(link)
         else:
             logger.warning("outer step %d: averaging failed (%s: %s)", pending.outer_step, outcome.status, outcome.reason)
+            # a second failed attempt at the same step replaces the first: if the swarm applied one of them, the
+            # later snapshot errs towards dropping a little progress rather than counting some twice
             self.unconfirmed = pending
         traffic = [after - before for after, before in zip(link.traffic(), pending.traffic_before)]
         self._write(link, outcome, pending, traffic)
