@@ -21,6 +21,7 @@ from pathlib import Path
 
 from p2p_diloco.cli import _OneLineParser, add_peer_flags, resolve_config
 from p2p_diloco.report import build_report, plot_report, read_metrics
+from p2p_diloco.wan import DEFAULT_PREFIX, Wan, WanError, clean, unavailable_reason
 
 PEER_SCRIPT = Path(__file__).resolve().parent.parent / "peers" / "peer.py"
 _JOIN_LINE = re.compile(r"others can join with: --initial-peers (\S+)")
@@ -73,14 +74,20 @@ def start_peer(
     initial_peer: str | list[str] | None,
     python: str = sys.executable,
     append: bool = False,
+    command_prefix: list[str] | None = None,
+    host: str = "127.0.0.1",
+    entry: list[str] | None = None,
 ) -> PeerProcess:
     """Start ``peers/peer.py`` in its own process group, logging to ``out_dir/NAME.log`` and writing metrics to
-    ``out_dir/NAME.jsonl``; ``append`` keeps both files (a restarted peer continues them)."""
+    ``out_dir/NAME.jsonl``; ``append`` keeps both files (a restarted peer continues them). ``command_prefix``
+    runs it inside something (``ip netns exec NS`` of an emulated network), listening on ``host``; ``entry``
+    replaces ``peers/peer.py`` by another program taking the same flags (a benchmark's baseline)."""
     metrics_file, log_file = out_dir / f"{name}.jsonl", out_dir / f"{name}.log"
     if not append:
         metrics_file.unlink(missing_ok=True)
-    command = [python, str(PEER_SCRIPT), *peer_args, "--metrics-file", str(metrics_file)]
-    command += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    command = [*(command_prefix or []), python, *(entry or [str(PEER_SCRIPT)]), *peer_args]
+    command += ["--metrics-file", str(metrics_file)]
+    command += ["--host-maddrs", f"/ip4/{host}/tcp/0"]
     initial = [initial_peer] if isinstance(initial_peer, str) else list(initial_peer or [])
     if initial:
         command += ["--initial-peers", *initial]
@@ -110,8 +117,11 @@ class LocalSwarm:
     """Peers started one by one on 127.0.0.1 (the first one's address is the others' initial peer),
     watched through their metrics files. Used by the benchmark scripts and the integration tests."""
 
-    def __init__(self, out_dir: Path, flags: list[str], on_start: Callable[[int], None] | None = None):
-        self.out_dir, self.flags, self._on_start = out_dir, list(flags), on_start
+    def __init__(
+        self, out_dir: Path, flags: list[str], on_start: Callable[[int], None] | None = None, wan: Wan | None = None
+    ):
+        """``wan``: start the peer of shard i inside the emulated network's namespace i, not on 127.0.0.1."""
+        self.out_dir, self.flags, self._on_start, self.wan = out_dir, list(flags), on_start, wan
         out_dir.mkdir(parents=True, exist_ok=True)
         self.peers: dict[str, PeerProcess] = {}
         self.address: str | None = None
@@ -121,7 +131,8 @@ class LocalSwarm:
     ) -> PeerProcess:
         """Start a peer (``append``: a restart that continues the metrics and log of an earlier one)."""
         flags = [*self.flags, *(extra or []), "--shard-index", str(shard), "--num-shards", str(num_shards)]
-        peer = start_peer(name, self.out_dir, flags, self.address, append=append)
+        place = dict(command_prefix=self.wan.command_prefix(shard), host=self.wan.host(shard)) if self.wan else {}
+        peer = start_peer(name, self.out_dir, flags, self.address, append=append, **place)
         if self._on_start:
             self._on_start(peer.process.pid)
         self.peers[name] = peer
@@ -233,7 +244,7 @@ def swarm_main(argv: list[str] | None = None, prog: str = "swarm.py") -> int:
         resolve_config(args)  # validate the peers' flags once, here, before starting anything
     except ValueError as e:
         return _fail(prog, str(e))
-    peer_args = _peer_args(argv or [], parser)
+    peer_args = _peer_args(argv or [], _SWARM_FLAGS)
     if not any(a.startswith("--max-time-s") or a.startswith("--max-outer-steps") for a in peer_args):
         peer_args += ["--max-time-s", "180"]
     out_dir = Path(args.out)
@@ -241,18 +252,20 @@ def swarm_main(argv: list[str] | None = None, prog: str = "swarm.py") -> int:
     return _run(args, peer_args, out_dir, prog)
 
 
-def _peer_args(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    """The argv minus the launcher's own flags (and their values): what every peer gets."""
-    own = {"--peers", "--out", "--late-peers", "--late-after-s"}
-    result, skip = [], False
+_SWARM_FLAGS = {"--peers", "--out", "--late-peers", "--late-after-s"}
+
+
+def _peer_args(argv: list[str], own: set[str]) -> list[str]:
+    """The argv minus the launcher's own flags (and their values, however many): what every peer gets."""
+    result, skipping = [], False
     for token in argv:
-        if skip:
-            skip = False
-            continue
         name = token.split("=", 1)[0]
         if name in own:
-            skip = "=" not in token
+            skipping = "=" not in token
             continue
+        if skipping and not token.startswith("--"):
+            continue
+        skipping = False
         result.append(token)
     return result
 
@@ -262,7 +275,7 @@ def _fail(prog: str, message: str) -> int:
     return 2
 
 
-def _run(args: argparse.Namespace, peer_args: list[str], out_dir: Path, prog: str) -> int:
+def _run(args: argparse.Namespace, peer_args: list[str], out_dir: Path, prog: str, wan: Wan | None = None) -> int:
     stopping = {"signal": None}
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -273,7 +286,11 @@ def _run(args: argparse.Namespace, peer_args: list[str], out_dir: Path, prog: st
     started = time.monotonic()
     view = ProgressView()
     try:
-        first = start_peer("peer0", out_dir, [*peer_args, "--shard-index", "0", "--num-shards", str(args.peers)], None)
+        def place(index: int) -> dict:
+            return dict(command_prefix=wan.command_prefix(index), host=wan.host(index)) if wan else {}
+
+        first = start_peer("peer0", out_dir, [*peer_args, "--shard-index", "0", "--num-shards", str(args.peers)], None,
+                           **place(0))
         peers.append(first)
         address = wait_for_address(first)
         print(f"swarm started; first peer at {address}", flush=True)
@@ -283,7 +300,7 @@ def _run(args: argparse.Namespace, peer_args: list[str], out_dir: Path, prog: st
             for index in list(pending):
                 if index < args.peers - args.late_peers or elapsed >= args.late_after_s:
                     shard = ["--shard-index", str(index), "--num-shards", str(args.peers)]
-                    peers.append(start_peer(f"peer{index}", out_dir, [*peer_args, *shard], address))
+                    peers.append(start_peer(f"peer{index}", out_dir, [*peer_args, *shard], address, **place(index)))
                     pending.remove(index)
             view.show(peers)
             if stopping["signal"] is not None or (not pending and not any(p.alive for p in peers)):
@@ -303,11 +320,12 @@ def _run(args: argparse.Namespace, peer_args: list[str], out_dir: Path, prog: st
             signal.signal(signum, handler)
     view.show(peers, force=True)
     exit_codes = {p.name: p.process.returncode for p in peers}
-    report = build_report(
-        {p.name: p.metrics_file for p in peers},
-        extra=dict(peers_started=len(peers), wall_time_s=round(time.monotonic() - started, 1), exit_codes=exit_codes,
-                   peer_args=peer_args),
-    )
+    extra = dict(peers_started=len(peers), wall_time_s=round(time.monotonic() - started, 1), exit_codes=exit_codes,
+                 peer_args=peer_args)
+    if wan is not None:
+        extra["wan"] = [dict(link, wire_bytes_sent=sent, wire_bytes_received=received)
+                        for link, (sent, received) in zip(wan.describe(), map(wan.wire_bytes, range(len(peers))))]
+    report = build_report({p.name: p.metrics_file for p in peers}, extra=extra)
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
     if report["peers"]:
         plot_report(report, out_dir / "report.png")
@@ -325,4 +343,48 @@ def _print_summary(report: dict, out_dir: Path) -> None:
         print(f"  {name}: outer step {peer['final_outer_step']}, {peer['tokens']:,} tokens, "
               f"{peer['tokens_per_s']:.0f} tok/s, blocked {100 * (peer['blocked_fraction'] or 0):.1f}%, "
               f"{peer['bytes_sent_per_round'] or 0:,} B sent/round, group {peer['mean_group_size']}")
+    for link in report.get("wan", []):
+        cap = f"{link['bandwidth_mbit']} Mbit/s" if link["bandwidth_mbit"] else "uncapped"
+        print(f"  peer{link['peer']} link ({cap}, {link['address']}): {link['wire_bytes_sent']:,} B sent, "
+              f"{link['wire_bytes_received']:,} B received on the wire")
     print(f"report: {out_dir / 'report.json'}  plot: {out_dir / 'report.png'}", flush=True)
+
+
+def wan_main(argv: list[str] | None = None, prog: str = "wan.py") -> int:
+    """``swarm.py`` with each peer in its own network namespace behind a capped link (needs root)."""
+    parser = _OneLineParser(prog=prog, description="Run a local p2p-diloco swarm over an emulated wide-area network: "
+                            "one network namespace per peer, a bandwidth cap per peer, bytes counted by the kernel.")
+    parser.add_argument("--peers", type=int, default=4, help="number of peer processes (default 4)")
+    parser.add_argument("--out", default="runs/wan", help="folder for metrics, logs, report.json and report.png")
+    parser.add_argument("--bandwidth-mbit", type=float, nargs="+", default=[20.0], metavar="MBIT",
+                        help="cap of each peer's link, each way: one value for all peers, or one per peer (default 20)")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"name prefix of the namespaces and links (default {DEFAULT_PREFIX})")
+    parser.add_argument("--cleanup", action="store_true", help="only remove an emulated network a crashed run left behind, then exit")
+    parser.add_argument("--config", metavar="FILE", help="TOML config passed to every peer")
+    add_peer_flags(parser)
+    args = parser.parse_args(argv)
+    if args.cleanup:
+        removed = clean(args.prefix)
+        print(f"removed: {', '.join(removed)}" if removed else "nothing to remove", flush=True)
+        return 0
+    caps = args.bandwidth_mbit if len(args.bandwidth_mbit) > 1 else args.bandwidth_mbit[0]
+    try:
+        resolve_config(args)
+        wan = Wan(args.peers, caps, prefix=args.prefix)
+    except ValueError as e:
+        return _fail(prog, str(e))
+    reason = unavailable_reason()
+    if reason:
+        return _fail(prog, reason)
+    peer_args = _peer_args(argv or [], _SWARM_FLAGS | {"--bandwidth-mbit", "--prefix", "--cleanup"})
+    if not any(a.startswith("--max-time-s") or a.startswith("--max-outer-steps") for a in peer_args):
+        peer_args += ["--max-time-s", "180"]
+    args.late_peers = 0
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with wan:
+            print(f"emulated network up: {args.peers} namespaces, caps {caps} Mbit/s each way", flush=True)
+            return _run(args, peer_args, out_dir, prog, wan=wan)
+    except WanError as e:
+        return _fail(prog, str(e))

@@ -42,21 +42,21 @@ PEAK_WINDOW_S = 1.0  # the window of the largest-burst figure (peak_send_bytes_p
 
 
 def partition_fragments(params: list[torch.Tensor], count: int) -> list[list[Segment]]:
-    """Split the params, in order, into ``count`` contiguous fragments of equal size (to one value), cutting
-    tensors where a boundary falls inside one: equal fragments make equal bursts and no padding on the wire."""
+    """Split the params into ``count`` strided fragments: fragment k holds the k-th 1/count slice (flat, so
+    whole rows of a matrix) of every tensor. Every fragment then touches every layer, and each outer step
+    moves the whole model a little; contiguous fragments (fragment k = layers k/count..) learned measurably
+    slower at equal tokens, since a layer synced on one step waited count-1 steps while its neighbours moved.
+    Sizes are equal to within one value per tensor; a tensor smaller than ``count`` lies in some fragments only."""
     sizes = [p.numel() for p in params]
-    total = sum(sizes)
-    if not 1 <= count <= total:
-        raise ValueError(f"cannot split {total} parameter values into {count} fragments")
-    bounds = [total * k // count for k in range(count + 1)]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    if not 1 <= count <= max(sizes, default=0):
+        raise ValueError(f"cannot split params whose largest tensor has {max(sizes, default=0)} values into {count} fragments")
     fragments = []
-    for low, high in zip(bounds, bounds[1:]):
+    for k in range(count):
         segments = []
-        for index, (start, size) in enumerate(zip(starts, sizes)):
-            first, last = max(low, start), min(high, start + size)
+        for index, size in enumerate(sizes):
+            first, last = size * k // count, size * (k + 1) // count
             if first < last:
-                segments.append(Segment(index, first - start, last - start))
+                segments.append(Segment(index, first, last))
         fragments.append(segments)
     return fragments
 
@@ -114,6 +114,7 @@ class Learner:
         self.round_started = time.monotonic()
         self.steps_into_round = 0
         self.compute_s = self.blocked_s = 0.0
+        self.eval_s = 0.0  # time spent evaluating: measurement, neither training nor waiting
         self.catch_ups = self.forks_healed = 0
         self.resumed_from: str | None = None
         self.peer_id = "?"
@@ -144,7 +145,7 @@ class Learner:
             return [piece.view(param.shape) for piece, param in zip(pieces, self.params)]
         (template,) = self.averaging_template()
         flat = torch.cat(pieces)
-        return [torch.cat([flat, template[flat.numel() :]])]  # fragments differ by one value at most
+        return [torch.cat([flat, template[flat.numel() :]])]  # zero padding: fragments differ by a few values at most
 
     def _unpack(self, averaged: list[torch.Tensor], segments: list[Segment]) -> list[torch.Tensor]:
         """The averaging template's tensors -> 1-D pieces, one per segment of the fragment."""
@@ -446,6 +447,9 @@ class Learner:
         traffic: list[int] | None = None,
     ) -> None:
         evaluate = outcome.status == "init" or (outcome.averaged is not None and self.outer_step % self.config.run.eval_every == 0)
+        eval_started = time.monotonic()
+        eval_loss = self.evaluate() if evaluate else None
+        self.eval_s += time.monotonic() - eval_started
         elapsed = time.monotonic() - self._started
         interval, self.interval = self.interval, Interval()
         weight = pending.weight if pending else 0.0
@@ -461,7 +465,7 @@ class Learner:
                 interval_tokens=interval.tokens,
                 inner_steps=interval.inner_steps,
                 loss=interval.mean_loss,
-                eval_loss=self.evaluate() if evaluate else None,
+                eval_loss=eval_loss,
                 group_size=len(outcome.peers),
                 peers=list(outcome.peers),
                 weight=weight,  # tokens behind the outer gradient this peer sent
@@ -475,6 +479,7 @@ class Learner:
                 peak_send_bytes_per_s=round(self._take_peak_rate()),
                 compute_s=round(self.compute_s, 4),
                 blocked_s=round(self.blocked_s, 4),
+                eval_s=round(self.eval_s, 4),
                 interval_compute_s=round(interval.compute_s, 4),
                 interval_blocked_s=round(interval.blocked_s, 4),
                 longest_block_s=round(interval.longest_block_s, 4),

@@ -1,4 +1,4 @@
-"""Streaming fragments: an equal contiguous split, and each outer step touching only its own fragment."""
+"""Streaming fragments: an equal strided split, and each outer step touching only its own fragment."""
 
 from __future__ import annotations
 
@@ -14,15 +14,23 @@ from .helpers import make_dataset, snapshot
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 7])
-def test_partition_is_contiguous_complete_and_equal(count):
-    params = [torch.zeros(n) for n in (100, 10, 300, 50, 50, 200, 90, 200)]
+def test_partition_is_strided_complete_and_equal(count):
+    sizes = (100, 10, 300, 50, 50, 200, 90, 200, 3)
+    params = [torch.zeros(n) for n in sizes]
     fragments = partition_fragments(params, count)
     assert len(fragments) == count and all(fragments)
-    # walking the fragments in order visits every value of every tensor once, in order
-    walked = [(s.index, v) for fragment in fragments for s in fragment for v in range(s.start, s.stop)]
-    assert walked == [(i, v) for i, p in enumerate(params) for v in range(p.numel())]
-    sizes = [sum(s.stop - s.start for s in fragment) for fragment in fragments]
-    assert max(sizes) - min(sizes) <= 1
+    # every value of every tensor lies in exactly one fragment
+    seen = sorted((s.index, v) for fragment in fragments for s in fragment for v in range(s.start, s.stop))
+    assert seen == [(i, v) for i, p in enumerate(params) for v in range(p.numel())]
+    # each fragment holds one slice of every tensor that has at least `count` values, the k-th one
+    for k, fragment in enumerate(fragments):
+        by_tensor = {s.index: s for s in fragment}
+        assert len(by_tensor) == len(fragment)
+        for i, n in enumerate(sizes):
+            if n >= count:
+                assert (by_tensor[i].start, by_tensor[i].stop) == (n * k // count, n * (k + 1) // count)
+    totals = [sum(s.stop - s.start for s in fragment) for fragment in fragments]
+    assert max(totals) - min(totals) <= len(sizes)
 
 
 def test_one_fragment_is_the_whole_tensors():
@@ -32,7 +40,7 @@ def test_one_fragment_is_the_whole_tensors():
 
 def test_more_fragments_than_values_is_refused():
     with pytest.raises(ValueError, match="fragments"):
-        partition_fragments([torch.zeros(3), torch.zeros(3)], 7)
+        partition_fragments([torch.zeros(3), torch.zeros(3)], 4)
 
 
 def test_each_outer_step_updates_only_its_fragment(make_config):
@@ -51,10 +59,11 @@ def test_each_outer_step_updates_only_its_fragment(make_config):
     for s in first:  # synced with outer lr 1 alone in the swarm: global = the local params that were sent
         assert not torch.equal(s.of(learner.global_params), s.of(initial))
         torch.testing.assert_close(s.of(learner.global_params), s.of([p.detach() for p in learner.params]))
-    # the averaging carried one flat buffer of half the model (rounded up), not the whole model
+    # the averaging carried one flat buffer of half the model (to one value per tensor), not the whole model
     (template,) = learner.averaging_template()
     total = sum(p.numel() for p in learner.params)
-    assert template.numel() == -(-total // 2)
+    assert template.numel() == max(sum(s.stop - s.start for s in f) for f in learner.fragments)
+    assert total // 2 <= template.numel() <= total // 2 + len(learner.params)
 
 
 def test_peak_send_rate_is_the_largest_burst_over_a_sliding_second(make_config, monkeypatch):

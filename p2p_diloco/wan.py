@@ -1,0 +1,196 @@
+"""A wide-area network on one machine: one network namespace per peer, capped links, kernel byte counts.
+
+As root, ``Wan(peers=4, bandwidth_mbit=[20, 20, 5, 5])`` makes, for peer i:
+
+    namespace PREFIX-i   eth side PREFIX-pi (address 10.77.SUBNET.(i+1)/24, tbf cap = the peer's upload)
+         |  veth pair
+    root namespace       host side PREFIX-hi (tbf cap = the peer's download), a port of bridge PREFIX-br
+
+so every byte a peer sends or receives crosses its own capped link, and the host side's counters
+(``/sys/class/net/PREFIX-hi/statistics``) give the bytes really put on the wire, headers and DHT traffic
+included. Peers are started inside their namespace with ``ip netns exec`` (``command_prefix``) and listen
+on the namespace's address (``host``).
+
+What it does not emulate: propagation delay and loss (``netem`` is not available on our machines; ``tbf``'s
+``latency`` is only its queue limit). Everything it makes is named with its prefix; a set-up left by a
+crashed run (same prefix) is removed, with any process still inside its namespaces, before a new one is made,
+and ``down()`` checks that nothing is left. This module starts no peer and holds no training logic.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "p2pwan"
+_COMMAND_TIMEOUT_S = 20.0
+
+
+class WanError(RuntimeError):
+    """The emulated network could not be made (not root, no ``ip``/``tc``, a kernel without namespaces...)."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One peer's place in the emulated network."""
+
+    index: int
+    namespace: str
+    host_interface: str  # in the root namespace, a port of the bridge
+    peer_interface: str  # inside the peer's namespace
+    address: str
+    bandwidth_mbit: float | None  # None: uncapped
+
+
+def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise WanError(f"{' '.join(command)}: {e}") from None
+    if check and done.returncode != 0:
+        detail = (done.stderr or done.stdout).strip().splitlines()
+        raise WanError(f"{' '.join(command)}: {detail[-1] if detail else f'exit code {done.returncode}'}")
+    return done
+
+
+def unavailable_reason() -> str | None:
+    """Why network namespaces can't be made here (None if they can): tests skip with this reason."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the '{tool}' command (iproute2) is not installed"
+    probe = f"{DEFAULT_PREFIX}-probe{os.getpid()}"
+    try:
+        _run("ip", "netns", "add", probe)
+    except WanError as e:
+        return f"cannot create a network namespace: {e}"
+    _run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def leftovers(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Namespaces and links in the root namespace whose names start with ``prefix-``."""
+    names = []
+    namespaces = _run("ip", "netns", "list", check=False).stdout.split("\n")
+    names += [f"netns {line.split()[0]}" for line in namespaces if line.startswith(f"{prefix}-")]
+    links = Path("/sys/class/net")
+    names += [f"link {p.name}" for p in sorted(links.iterdir()) if p.name.startswith(f"{prefix}-")] if links.exists() else []
+    return names
+
+
+def clean(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Remove every namespace and link named ``prefix-*`` (SIGKILLing any process still inside those
+    namespaces); returns what was removed. Used before a set-up (stale state of a crashed run) and by down()."""
+    removed = leftovers(prefix)
+    for name in removed:
+        kind, value = name.split(" ", 1)
+        if kind == "netns":
+            pids = _run("ip", "netns", "pids", value, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _run("ip", "netns", "del", value, check=False)
+    for name in removed:  # host sides of veths go with their namespace's end; the bridge stays until deleted
+        kind, value = name.split(" ", 1)
+        if kind == "link" and Path(f"/sys/class/net/{value}").exists():
+            _run("ip", "link", "del", value, check=False)
+    return removed
+
+
+class Wan:
+    """The emulated network of one run; a context manager (``with Wan(...) as wan:``) that always tears down."""
+
+    def __init__(
+        self,
+        peers: int,
+        bandwidth_mbit: float | list[float | None] | None,
+        prefix: str = DEFAULT_PREFIX,
+        subnet: int = 77,
+        burst_kbit: int = 512,
+        queue_latency_ms: int = 100,
+    ):
+        caps = bandwidth_mbit if isinstance(bandwidth_mbit, list) else [bandwidth_mbit] * peers
+        if len(caps) != peers:
+            raise ValueError(f"{len(caps)} bandwidth caps given for {peers} peers: give one, or one per peer")
+        if any(cap is not None and cap <= 0 for cap in caps):
+            raise ValueError(f"bandwidth caps must be > 0 Mbit/s, got {caps}")
+        if not 1 <= peers <= 250:
+            raise ValueError(f"the emulated network holds 1 to 250 peers, got {peers}")
+        if len(prefix) > 8 or not prefix.replace("-", "").isalnum():
+            raise ValueError(f"prefix must be up to 8 letters or digits (interface names are short), got {prefix!r}")
+        self.prefix, self.bridge = prefix, f"{prefix}-br"
+        self.burst_kbit, self.queue_latency_ms = burst_kbit, queue_latency_ms
+        self.links = [
+            Link(i, f"{prefix}-{i}", f"{prefix}-h{i}", f"{prefix}-p{i}", f"10.{subnet}.0.{i + 1}", cap)
+            for i, cap in enumerate(caps)
+        ]
+
+    def __enter__(self) -> Wan:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def up(self) -> None:
+        """Make the bridge, namespaces, veth pairs, addresses and caps; on any failure, remove what was made."""
+        stale = clean(self.prefix)
+        if stale:
+            logger.warning("removed a stale emulated network left by an earlier run: %s", ", ".join(stale))
+        try:
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "link", "set", self.bridge, "up")
+            for link in self.links:
+                self._add(link)
+        except BaseException:
+            clean(self.prefix)
+            raise
+
+    def _add(self, link: Link) -> None:
+        ns = ("ip", "-n", link.namespace)
+        _run("ip", "netns", "add", link.namespace)
+        _run("ip", "link", "add", link.host_interface, "type", "veth", "peer", "name", link.peer_interface)
+        _run("ip", "link", "set", link.peer_interface, "netns", link.namespace)
+        _run("ip", "link", "set", link.host_interface, "master", self.bridge, "up")
+        _run(*ns, "addr", "add", f"{link.address}/24", "dev", link.peer_interface)
+        _run(*ns, "link", "set", link.peer_interface, "up")
+        _run(*ns, "link", "set", "lo", "up")
+        if link.bandwidth_mbit is not None:
+            tbf = ("root", "tbf", "rate", f"{link.bandwidth_mbit}mbit", "burst", f"{self.burst_kbit}kbit",
+                   "latency", f"{self.queue_latency_ms}ms")
+            _run("tc", "-n", link.namespace, "qdisc", "add", "dev", link.peer_interface, *tbf)  # upload
+            _run("tc", "qdisc", "add", "dev", link.host_interface, *tbf)  # download
+
+    def down(self) -> None:
+        """Remove everything this network made; raise WanError if something could not be removed."""
+        clean(self.prefix)
+        left = leftovers(self.prefix)
+        if left:
+            raise WanError(f"could not remove: {', '.join(left)}")
+
+    def command_prefix(self, index: int) -> list[str]:
+        """What to put before a command to run it inside peer ``index``'s namespace."""
+        return ["ip", "netns", "exec", self.links[index].namespace]
+
+    def host(self, index: int) -> str:
+        return self.links[index].address
+
+    def wire_bytes(self, index: int) -> tuple[int, int]:
+        """(bytes sent, bytes received) by peer ``index`` on its link, from the kernel's counters; the host
+        side receives what the peer sends. Counters start at 0 when the link is made."""
+        stats = Path(f"/sys/class/net/{self.links[index].host_interface}/statistics")
+        return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
+
+    def describe(self) -> list[dict]:
+        return [dict(peer=link.index, namespace=link.namespace, address=link.address,
+                     bandwidth_mbit=link.bandwidth_mbit) for link in self.links]
