@@ -335,11 +335,11 @@ class DilocoAverager(DecentralizedAverager):
                         if message.metadata:
                             metadata = self.serializer.loads(message.metadata)
                         if message.tensor_part.dtype and parts:  # a new tensor begins
-                            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                            tensors.append(_whole_tensor(parts))
                             parts = []
                         parts.append(message.tensor_part)
                     if parts:
-                        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                        tensors.append(_whole_tensor(parts))
                     if metadata:
                         future.set_result((metadata, tensors, peer.to_base58()))
                         return
@@ -352,6 +352,14 @@ class DilocoAverager(DecentralizedAverager):
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
+
+
+def _whole_tensor(parts: list[Any]) -> torch.Tensor:
+    """One streamed tensor from its chunks; a stream that ended early (the donor left or its link broke) ends
+    quietly in hivemind, so count the chunks instead of failing later on a tensor of the wrong size."""
+    if len(parts) != max(1, parts[0].chunks):  # an empty tensor still sends one (empty) chunk
+        raise ConnectionError(f"the state stream ended after {len(parts)} of {parts[0].chunks} chunks of a tensor")
+    return deserialize_torch_tensor(combine_from_streaming(parts))
 
 
 def outer_step_key(outer_step: int) -> str:

@@ -54,6 +54,7 @@ _FLAG_FIELDS = {
     "eval_every": ("run", "eval_every"),
     "seed": ("run", "seed"),
     "threads": ("run", "threads"),
+    "start_at": ("run", "start_at_unix"),
 }
 
 
@@ -104,6 +105,7 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--resume", action="store_true", default=s, help="start from the newest readable checkpoint in --checkpoint-dir (a corrupt one is reported and the one before it used), then catch up with the swarm if it is ahead")
     run.add_argument("--eval-every", type=int, default=s, help=f"outer steps between held-out evaluations (default {d.run.eval_every})")
     run.add_argument("--threads", type=int, default=s, help=f"torch CPU threads for this peer (default {d.run.threads})")
+    run.add_argument("--start-at", type=float, default=s, metavar="UNIX_TIME", help="join the swarm, then wait until this wall-clock time (Unix seconds) before training, so that peers launched together start together (default: at once)")
 
 
 def resolve_config(args: argparse.Namespace) -> PeerConfig:

@@ -180,4 +180,8 @@ def make_codec(name: str) -> Codec:
     codecs = {"none": NoneCodec, "fp16": Float16Codec, "int8": BlockwiseInt8Codec, "int4": BlockwiseNF4Codec}
     if name not in codecs:
         raise ValueError(f"unknown compression {name!r}; choose one of {', '.join(codecs)}")
+    if name in ("int8", "int4"):
+        # the first import of bitsandbytes takes seconds (it sets up compiled kernels): pay it when the codec
+        # is made, at start-up and before the averager process forks, not at the first round inside training
+        import bitsandbytes.functional  # noqa: F401
     return codecs[name]()

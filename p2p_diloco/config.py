@@ -158,6 +158,7 @@ class RunConfig:
     seed: int = 0  # model init seed (shared by the swarm) is seed; data order uses seed + shard
     threads: int = 1  # torch intra-op threads for this peer
     shutdown_wait_s: float = 10.0  # at the end of a run, wait this long for an averaging in flight to land
+    start_at_unix: float = 0.0  # wait until this wall-clock time (Unix seconds) before the first inner step; 0 = at once
 
     def __post_init__(self) -> None:
         _require(self.max_outer_steps >= 0, f"run.max_outer_steps must be >= 0, got {self.max_outer_steps}")
@@ -168,6 +169,7 @@ class RunConfig:
         _require(self.eval_batches >= 1, f"run.eval_batches must be >= 1, got {self.eval_batches}")
         _require(self.threads >= 1, f"run.threads must be >= 1, got {self.threads}")
         _require(self.shutdown_wait_s >= 0, f"run.shutdown_wait_s must be >= 0 s, got {self.shutdown_wait_s}")
+        _require(self.start_at_unix >= 0, f"run.start_at_unix must be >= 0 (Unix seconds), got {self.start_at_unix}")
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,10 @@ class Learner:
 
     def run(self, link: Link) -> None:
         """Train until max_outer_steps, max_time_s or ``stop``; writes one metrics record per outer step."""
+        wait_s = self.config.run.start_at_unix - time.time()
+        if wait_s > 0:  # peers launched together begin together (a benchmark's swarms, a planned start)
+            logger.info("waiting %.0f s for the agreed start time", wait_s)
+            self.stop.wait(wait_s)
         self._started = time.monotonic()
         self.peer_id = link.peer_id
         resumed = f"resumed from {self.resumed_from}" if self.resumed_from else ""
