@@ -65,3 +65,26 @@ def test_alone_against_bare():
     alone = _run("alone", [(0, 0, 5.0), (10, 9_900, 3.0)], 1, wire_per_peer=0, fraction=0.98)
     result = compare({"bare": summarise(bare), "alone": summarise(alone)})
     assert result["alone_tokens_per_s_vs_bare"] == pytest.approx(0.99)
+
+
+def test_launcher_flags_with_several_values_are_not_passed_to_peers():
+    from p2p_diloco.launcher import _peer_args
+
+    argv = ["--peers", "4", "--bandwidth-mbit", "20", "20", "5", "5", "--inner-steps", "100", "--quick", "--batch-size=8"]
+    own = {"--peers", "--bandwidth-mbit", "--quick"}
+    assert _peer_args(argv, own) == ["--inner-steps", "100", "--batch-size=8"]
+
+
+def test_a_state_stream_cut_short_is_reported_not_misread():
+    import torch
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.utils.streaming import split_for_streaming
+
+    from p2p_diloco.averaging import _whole_tensor
+
+    tensor = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: several streaming chunks
+    parts = list(split_for_streaming(serialize_torch_tensor(tensor)))
+    assert len(parts) > 1
+    assert torch.equal(_whole_tensor(parts), tensor)
+    with pytest.raises(ConnectionError, match="ended after"):
+        _whole_tensor(parts[:-1])
