@@ -30,10 +30,17 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from p2p_diloco.cli import _configure_logging, _fail, _OneLineParser, add_peer_flags, resolve_config
+from p2p_diloco.cli import (
+    _configure_logging,
+    _fail,
+    _OneLineParser,
+    add_peer_flags,
+    open_process_inputs,
+    resolve_config,
+)
 from p2p_diloco.config import PeerConfig, load_toml
 from p2p_diloco.data import Dataset
-from p2p_diloco.metrics import MetricsSink, open_sink
+from p2p_diloco.metrics import MetricsSink
 from p2p_diloco.model import build_model, count_parameters
 from p2p_diloco.outer import params_sha256
 
@@ -504,10 +511,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m p2p_diloco.baseli
     except ValueError as e:
         return _fail(prog, str(e))
     _configure_logging(args.log_level)
-    torch.set_num_threads(config.run.threads)
     try:
-        dataset = Dataset(config.data, config.model.seq_len, config.inner.batch_size, config.run.seed)
-        sink = open_sink(config.run.metrics_file)
+        dataset, sink = open_process_inputs(config)
     except (ValueError, OSError) as e:
         return _fail(prog, str(e))
     from p2p_diloco.swarm import SwarmStartError, reap_descendants

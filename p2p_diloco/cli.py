@@ -13,9 +13,13 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.config import COMPRESSIONS, PeerConfig, build_config, load_toml
+
+if TYPE_CHECKING:  # torch-heavy modules load only when a process starts training, not for --help
+    from p2p_diloco.data import Dataset
+    from p2p_diloco.metrics import MetricsSink
 
 # flag -> (section, field)
 _FLAG_FIELDS = {
@@ -164,20 +168,28 @@ def _fail(prog: str, message: str, code: int = 2) -> int:
     return code
 
 
-def _run_peer(config: PeerConfig, prog: str) -> int:
+def open_process_inputs(config: PeerConfig) -> tuple[Dataset, MetricsSink]:
+    """What every training process of a run opens first, the same way (a peer, and the benchmark's baselines,
+    which must read the same shard as a peer would): torch's thread count, the data shard and the metrics sink.
+    Raises ValueError or OSError with a one-line reason."""
     import torch
 
     from p2p_diloco.data import Dataset
-    from p2p_diloco.learner import Learner
     from p2p_diloco.metrics import open_sink
+
+    torch.set_num_threads(config.run.threads)
+    dataset = Dataset(config.data, config.model.seq_len, config.inner.batch_size, config.run.seed)
+    return dataset, open_sink(config.run.metrics_file)
+
+
+def _run_peer(config: PeerConfig, prog: str) -> int:
+    from p2p_diloco.learner import Learner
     from p2p_diloco.model import count_parameters
     from p2p_diloco.swarm import SwarmLink, SwarmStartError, reap_descendants
 
     log = logging.getLogger("p2p_diloco.peer")
-    torch.set_num_threads(config.run.threads)
     try:
-        dataset = Dataset(config.data, config.model.seq_len, config.inner.batch_size, config.run.seed)
-        metrics = open_sink(config.run.metrics_file)
+        dataset, metrics = open_process_inputs(config)
     except (ValueError, OSError) as e:
         return _fail(prog, str(e))
     stop = threading.Event()
