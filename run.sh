@@ -11,7 +11,7 @@ setup() {
     if [ ! -x .venv/bin/python ]; then
         "$PYTHON" -m venv .venv
     fi
-    if ! .venv/bin/python -c "import p2p_diloco, hivemind, bitsandbytes, pytest, pytest_timeout" 2>/dev/null; then
+    if ! .venv/bin/python -c "import p2p_diloco, hivemind, bitsandbytes, pytest, pytest_timeout, hypothesis" 2>/dev/null; then
         .venv/bin/python -m pip install --quiet --upgrade pip
         .venv/bin/python -m pip install --quiet "torch==2.13.0"
         .venv/bin/python -m pip install --quiet -e ".[dev]"

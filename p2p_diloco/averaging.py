@@ -42,8 +42,9 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from p2p_diloco.compression import Codec, make_codec
+from p2p_diloco.compression import Codec, MalformedPayloadError, decode_received, make_codec, received_shape
 from p2p_diloco.link import AveragingOutcome
+from p2p_diloco.wire_guard import install_checked_decoders
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,12 @@ class WireCodec(CompressionBase):
         )
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        shape = torch.Size(serialized_tensor.size)
-        return self.codec.decode(serialized_tensor.buffer, shape.numel()).reshape(shape)
+        """Decode a part; the bytes may come from a stranger, so a malformed one raises MalformedPayloadError
+        (shape, dtype, length and block scales are checked before anything is allocated)."""
+        shape = received_shape(serialized_tensor.size)
+        if serialized_tensor.dtype != "float32":  # compress() always writes float32
+            raise MalformedPayloadError(f"{self.codec.name} part has dtype {serialized_tensor.dtype[:32]!r}, not float32")
+        return decode_received(self.codec, serialized_tensor.buffer, shape.numel()).reshape(shape)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         # hivemind cuts tensors into parts of int(part_size_bytes / (4 * ratio)) values; report the ratio that
@@ -117,6 +122,7 @@ def install_wire_codecs() -> None:
     for name in ("fp16", "int8", "int4"):
         wire_type = runtime_pb2.CompressionType.Name(_WIRE_TYPES[name])
         hivemind_serialization._BASE_COMPRESSION_TYPES[wire_type] = WireCodec(make_codec(name))
+    install_checked_decoders(hivemind_serialization._BASE_COMPRESSION_TYPES)  # and hivemind's other types
 
 
 class TrafficCounters:

@@ -159,7 +159,10 @@ def summarise(run: MethodRun) -> dict:
     # bytes per token counts the training period only: the processes' start-up and the synchronised start
     # are a benchmark's artefact; the traffic of an idle swarm (DHT records, keep-alives) over the last 10 s
     # before training began is reported on its own, as it does not grow with the model
-    trained_wire = wire - _interpolate(run.wire_timeline, t0) if run.wire_timeline else 0
+    # ... and ends at the last record: the tokens are those the records report, so the bytes are those sent by
+    # then (a p2p-diloco peer records at outer steps; the traffic of a round it did not finish has no tokens)
+    t_end = max(last["unix_time"] for last in finals.values())
+    trained_wire = _interpolate(run.wire_timeline, t_end) - _interpolate(run.wire_timeline, t0) if run.wire_timeline else 0
     idle_rate = (_interpolate(run.wire_timeline, t0) - _interpolate(run.wire_timeline, t0 - 10)) / 10 if run.wire_timeline else 0
     return dict(
         method=run.method,
@@ -178,6 +181,7 @@ def summarise(run: MethodRun) -> dict:
         final_eval_loss=curve[-1]["eval_loss"] if curve else None,
         eval_curve=curve,
         per_peer=peers,
+        wire_timeline=[(round(at, 2), sent) for at, sent in run.wire_timeline],  # for re-analysis of a saved run
     )
 
 
@@ -207,10 +211,32 @@ def compare(summaries: dict[str, dict]) -> dict:
         loss, sync_loss = (summaries.get(m, {}).get("eval_loss_at_equal_tokens") for m in (method, "syncdp"))
         if loss is not None and sync_loss:
             result[f"{method}_eval_loss_vs_syncdp_at_equal_tokens"] = round(loss / sync_loss - 1, 4)
+    result["pairs"] = pairwise(swarm)
     bare, alone = summaries.get("bare", {}), summaries.get("alone", {})
     if bare.get("swarm_tokens_per_s") and alone.get("swarm_tokens_per_s"):
         result["alone_tokens_per_s_vs_bare"] = round(alone["swarm_tokens_per_s"] / bare["swarm_tokens_per_s"], 4)
     return result
+
+
+def pairwise(swarm: dict[str, dict]) -> list[dict]:
+    """Each p2p-diloco variant against each baseline, at the equal tokens and equal wall time of *that pair*
+    (the shorter of the two runs), so that one short run elsewhere does not set every comparison's point."""
+    pairs = []
+    for method in ("diloco-int8", "diloco-int4"):
+        for baseline in ("syncdp", "hivemind-opt"):
+            if method not in swarm or baseline not in swarm:
+                continue
+            curves = {m: swarm[m]["eval_curve"] for m in (method, baseline)}
+            pair: dict = dict(method=method, baseline=baseline)
+            for axis in ("swarm_tokens", "wall_s"):
+                point = min(curve[-1][axis] for curve in curves.values())
+                losses = {m: loss_at(curve, axis, point) for m, curve in curves.items()}
+                pair[f"equal_{axis}"] = point
+                pair[f"loss_at_equal_{axis}"] = losses
+                if losses[method] is not None and losses[baseline]:
+                    pair[f"vs_baseline_at_equal_{axis}"] = round(losses[method] / losses[baseline] - 1, 4)
+            pairs.append(pair)
+    return pairs
 
 
 def markdown_table(summaries: dict[str, dict], comparison: dict) -> str:
@@ -235,6 +261,18 @@ def markdown_table(summaries: dict[str, dict], comparison: dict) -> str:
             f"| {fmt(s['idle_swarm_bytes_per_s'] / 1e3 if s['wire_bytes_per_token'] is not None else None, '.1f')} "
             f"| {fmt(s.get('eval_loss_at_equal_tokens'), '.3f')} | {fmt(s.get('eval_loss_at_equal_wall_s'), '.3f')} | {final} |"
         )
+    if comparison.get("pairs"):
+        lines += ["", "| p2p-diloco | against | equal swarm tokens: loss (vs) | equal wall time: loss (vs) |", "|---|---|---|---|"]
+        for pair in comparison["pairs"]:
+            cells = []
+            for axis, unit in (("swarm_tokens", "{:,} tokens"), ("wall_s", "{:.0f} s")):
+                losses = pair[f"loss_at_equal_{axis}"]
+                versus = pair.get(f"vs_baseline_at_equal_{axis}")
+                cells.append(
+                    f"{unit.format(pair[f'equal_{axis}'])}: {fmt(losses[pair['method']], '.3f')} vs "
+                    f"{fmt(losses[pair['baseline']], '.3f')} ({fmt(None if versus is None else 100 * versus, '+.1f')}%)"
+                )
+            lines.append(f"| {pair['method']} | {pair['baseline']} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
 
 

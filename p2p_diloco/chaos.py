@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -54,6 +55,9 @@ class ChaosSwarm:
         self.down: dict[str, str] = {}  # name -> "kill" | "stop"
         self.lives: dict[str, int] = {}
         out_dir.mkdir(parents=True, exist_ok=True)
+        # a rerun into the same folder starts clean: a peer refuses to start fresh over checkpoints (and, restarted
+        # with --resume, would otherwise pick up the previous run's)
+        shutil.rmtree(self.out_dir / "checkpoints", ignore_errors=True)
 
     def checkpoint_dir(self, name: str) -> Path:
         return self.out_dir / "checkpoints" / name

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from p2p_diloco.config import COMPRESSIONS, PeerConfig, build_config, load_toml
+from p2p_diloco.config import ADVERSARIES, COMPRESSIONS, PeerConfig, build_config, load_toml
 
 if TYPE_CHECKING:  # torch-heavy modules load only when a process starts training, not for --help
     from p2p_diloco.data import Dataset
@@ -59,6 +59,9 @@ _FLAG_FIELDS = {
     "seed": ("run", "seed"),
     "threads": ("run", "threads"),
     "start_at": ("run", "start_at_unix"),
+    "progress_period_s": ("swarm", "progress_period_s"),
+    "swarm_key_file": ("swarm", "swarm_key_file"),
+    "adversary": ("swarm", "adversary"),
 }
 
 
@@ -82,6 +85,9 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     swarm.add_argument("--averaging-timeout-s", type=float, default=s, help=f"seconds after which a round's averaging is abandoned (default {d.swarm.averaging_timeout_s})")
     swarm.add_argument("--chunk-timeout-s", type=float, default=s, help=f"seconds of silence after which a groupmate is dropped from an all-reduce (default {d.swarm.chunk_timeout_s})")
     swarm.add_argument("--state-timeout-s", type=float, default=s, help=f"seconds allowed for downloading the swarm's state (default {d.swarm.state_timeout_s})")
+    swarm.add_argument("--progress-period-s", type=float, default=s, help=f"seconds between this peer's progress records in the DHT; shorter tracks round ends more closely at more background traffic (default {d.swarm.progress_period_s})")
+    swarm.add_argument("--swarm-key-file", default=s, metavar="PATH", help="close the run: a file with a secret (>= 16 bytes) that every member holds; only members can store DHT records, average or download state (default: an open run)")
+    swarm.add_argument("--adversary", choices=ADVERSARIES, default=s, help=argparse.SUPPRESS)  # test only: adversary.py
     train = parser.add_argument_group("training")
     train.add_argument("--inner-steps", type=int, default=s, metavar="H", help=f"inner AdamW steps per peer per outer round at equal speeds; sets the default round budget (default {d.inner.inner_steps})")
     train.add_argument("--tokens-per-round", type=int, default=s, help="tokens the whole swarm processes per outer round (default 0: H x batch tokens x live peers); a fast peer simply contributes more of them")
@@ -114,6 +120,7 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
 
 def resolve_config(args: argparse.Namespace) -> PeerConfig:
     """defaults -> TOML file -> flags; raises ValueError with a one-line reason."""
+    from p2p_diloco.preflight import check_local_inputs
     from p2p_diloco.swarm import check_multiaddr
 
     overrides: dict[str, dict[str, Any]] = load_toml(args.config) if getattr(args, "config", None) else {}
@@ -127,6 +134,7 @@ def resolve_config(args: argparse.Namespace) -> PeerConfig:
         check_multiaddr(address, need_peer_id=True)
     for address in config.swarm.host_maddrs + config.swarm.announce_maddrs:
         check_multiaddr(address, need_peer_id=False)
+    check_local_inputs(config)  # identity file, checkpoint folder, metrics file, memory: before anything starts
     return config
 
 
@@ -183,9 +191,10 @@ def open_process_inputs(config: PeerConfig) -> tuple[Dataset, MetricsSink]:
 
 
 def _run_peer(config: PeerConfig, prog: str) -> int:
+    from p2p_diloco.adversary import link_class
     from p2p_diloco.learner import Learner
     from p2p_diloco.model import count_parameters
-    from p2p_diloco.swarm import SwarmLink, SwarmStartError, reap_descendants
+    from p2p_diloco.swarm import SwarmStartError, reap_descendants
 
     log = logging.getLogger("p2p_diloco.peer")
     try:
@@ -204,7 +213,8 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
               else f"no checkpoint in {config.run.checkpoint_dir} yet: starting fresh", flush=True)
     log.info("resolved config: %s", json.dumps(config.to_dict(), sort_keys=True))
     try:
-        link = SwarmLink(config.swarm, learner.averaging_template(), learner.state_for_peers, config.inner.fragments)
+        make_link = link_class(config.swarm.adversary)  # the honest SwarmLink unless a test asked for an adversary
+        link = make_link(config.swarm, learner.averaging_template(), learner.state_for_peers, config.inner.fragments)
     except SwarmStartError as e:
         metrics.close()
         return _fail(prog, f"could not join the swarm: {e}", code=1)

@@ -6,14 +6,30 @@ serialization. A codec turns a flat fp32 tensor into bytes and back; decoding is
 peers that receive the same bytes get the same tensor. The 8-bit codec sends only the absmax of each
 block and the 8-bit indices (the dynamic code book is rebuilt on each side, never sent), and parses
 its header with plain ``int.from_bytes``, so it works under numpy 2 (hivemind's 8-bit codec does not).
+
+Bytes from another peer are untrusted: ``received_shape`` and ``decode_received`` check them against the
+layout before anything is allocated and raise ``MalformedPayloadError``, never anything else.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+
+# A received tensor may have at most this many dims and values (counting a zero-length dim as 1): far above
+# any all-reduce part or parameter tensor, far below what overflows torch's int64 size and stride arithmetic.
+MAX_RECEIVED_DIMS = 8
+MAX_RECEIVED_VALUES = 2**34
+
+
+class MalformedPayloadError(ValueError):
+    """Bytes received from another peer do not fit the layout they claim (wrong length, dtype or shape, block
+    scales that are not finite and >= 0, a wire type p2p-diloco never sends). The sender is at fault: the
+    caller drops that part or that peer, never the process. A ValueError, so existing handlers keep working."""
 
 
 class Codec(Protocol):
@@ -84,10 +100,10 @@ class BlockwiseInt8Codec:
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         from bitsandbytes.functional import dequantize_blockwise
 
-        if numel == 0:
-            return torch.zeros(0)
         num_blocks = -(-numel // self.block_size)
         _check_length(self.name, data, 4 * num_blocks + numel)
+        if numel == 0:
+            return torch.zeros(0)
         buffer = bytearray(data)
         absmax = torch.frombuffer(buffer, dtype=torch.float32, count=num_blocks)
         indices = torch.frombuffer(buffer, dtype=torch.uint8, offset=4 * num_blocks, count=numel)
@@ -119,10 +135,10 @@ class BlockwiseNF4Codec:
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         from bitsandbytes.functional import QuantState, dequantize_4bit
 
-        if numel == 0:
-            return torch.zeros(0)
         num_blocks, num_packed = -(-numel // self.block_size), -(-numel // 2)
         _check_length(self.name, data, 4 * num_blocks + num_packed)
+        if numel == 0:
+            return torch.zeros(0)
         buffer = bytearray(data)
         absmax = torch.frombuffer(buffer, dtype=torch.float32, count=num_blocks)
         packed = torch.frombuffer(buffer, dtype=torch.uint8, offset=4 * num_blocks, count=num_packed).view(-1, 1)
@@ -172,8 +188,34 @@ def _dynamic_code() -> torch.Tensor:
 
 
 def _check_length(name: str, data: bytes, expected: int) -> None:
+    # checked before any tensor is made: a payload can never make this peer allocate more than it received
     if len(data) != expected:
-        raise ValueError(f"{name} payload has {len(data)} bytes, expected {expected}")
+        raise MalformedPayloadError(f"{name} payload has {len(data)} bytes, expected {expected}")
+
+
+def received_shape(dims: Sequence[int]) -> torch.Size:
+    """The shape a received tensor declares, if sane: at most MAX_RECEIVED_DIMS dims, each >= 0, and at most
+    MAX_RECEIVED_VALUES values. Computed with Python ints: ``torch.Size(dims).numel()`` wraps around silently
+    (dims [2**31, 2**31, 4] give 0 values), which would let a declared shape disagree with its payload."""
+    dims = list(dims)
+    if len(dims) > MAX_RECEIVED_DIMS or any(d < 0 for d in dims):
+        raise MalformedPayloadError(f"received tensor declares shape {dims[:MAX_RECEIVED_DIMS + 1]}")
+    if math.prod(max(d, 1) for d in dims) > MAX_RECEIVED_VALUES:
+        raise MalformedPayloadError(f"received tensor declares shape {dims}: more than {MAX_RECEIVED_VALUES} values")
+    return torch.Size(dims)
+
+
+def decode_received(codec: Codec, data: bytes, numel: int) -> torch.Tensor:
+    """``codec.decode`` for bytes from another peer: also refuses block scales (the fp32 absmax of each block,
+    first in a quantized payload) that are not finite and >= 0; our encoder never writes one, and a NaN scale
+    would turn a whole block into NaN. Local round trips use ``decode`` and keep a non-finite input as it is."""
+    values = codec.decode(data, numel)  # checks the length first
+    block_size = getattr(codec, "block_size", None)
+    if block_size and numel:
+        scales = torch.frombuffer(bytearray(data[: 4 * -(-numel // block_size)]), dtype=torch.float32)
+        if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+            raise MalformedPayloadError(f"{codec.name} payload has block scales that are not finite and >= 0")
+    return values
 
 
 def make_codec(name: str) -> Codec:

@@ -8,17 +8,34 @@ This module knows nothing of torch or hivemind.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 COMPRESSIONS = ("none", "fp16", "int8", "int4")
+# test-only misbehaviours of a peer (scripts/attack.py, tests/integration/test_robust.py); "" = honest
+ADVERSARIES = ("", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor")
+
+
+# Bounds on any value from a file or a flag: larger numbers are typos, and overflow the int64, float timer and
+# msgpack fields they end up in (e.g. threading's TIMEOUT_MAX is ~9.2e9 s) somewhere deep inside a running peer.
+_MAX_NUMBER = 2**53
+_MAX_SECONDS = 1e8  # about 3 years: bound on every *_s duration
+_YEAR_2100_UNIX = 4_102_444_800.0
+_MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; this bounds what a wrong path (/dev/zero) reads
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _show(value: Any) -> str:
+    """A value for an error message: its repr, cut short so that the message stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)
@@ -34,6 +51,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "seq_len"):
             _require(getattr(self, name) > 0, f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        # tokens are raw bytes (data.py): a smaller vocabulary fails at the first batch with an IndexError
+        _require(self.vocab_size >= 256, f"model.vocab_size must be >= 256 (one token per byte), got {self.vocab_size}")
         _require(
             self.d_model % self.n_heads == 0,
             f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})",
@@ -80,7 +99,7 @@ class InnerConfig:
         _require(self.grad_clip_norm >= 0, f"inner.grad_clip_norm must be >= 0, got {self.grad_clip_norm}")
         _require(self.tokens_per_round >= 0, f"inner.tokens_per_round must be >= 0, got {self.tokens_per_round}")
         _require(self.round_deadline_s >= 0, f"inner.round_deadline_s must be >= 0 s, got {self.round_deadline_s}")
-        _require(self.throttle >= 1, f"inner.throttle must be >= 1 (1 = full speed), got {self.throttle}")
+        _require(1 <= self.throttle <= 1000, f"inner.throttle must be in [1, 1000] (1 = full speed), got {self.throttle}")
         _require(self.fragments >= 1, f"inner.fragments must be >= 1, got {self.fragments}")
 
 
@@ -110,14 +129,17 @@ class SwarmConfig:
     averaging_timeout_s: float = 60.0  # give up on a round's averaging after this long
     chunk_timeout_s: float = 5.0  # a groupmate silent this long in an all-reduce is dropped from it
     state_timeout_s: float = 60.0  # bound on one state download from a peer
-    progress_period_s: float = 1.0  # how often this peer publishes its progress and reads the others' (DHT)
+    progress_period_s: float = 5.0  # how often this peer publishes its progress and reads the others' (DHT); an
+    # outer step is published at once, and round progress is extrapolated from the published rate in between
     progress_ttl_s: float = 20.0  # a peer whose progress record is older than this counts as gone
     startup_timeout_s: float = 60.0  # bound on joining the DHT at start
+    swarm_key_file: str | None = None  # secret shared by the members of a closed run; None = an open run
+    adversary: str = ""  # TEST ONLY: make this peer misbehave (one of ADVERSARIES; see p2p_diloco/adversary.py)
 
     def __post_init__(self) -> None:
         _require(
             bool(self.run_id) and all(c.isalnum() or c in "-_" for c in self.run_id),
-            f"swarm.run_id must be non-empty letters, digits, '-' or '_', got {self.run_id!r}",
+            f"swarm.run_id must be non-empty letters, digits, '-' or '_', got {_show(self.run_id)}",
         )
         _require(
             self.compression in COMPRESSIONS,
@@ -140,6 +162,10 @@ class SwarmConfig:
         _require(
             self.progress_ttl_s >= 3 * self.progress_period_s,
             "swarm.progress_ttl_s must be at least 3x swarm.progress_period_s",
+        )
+        _require(
+            self.adversary in ADVERSARIES,
+            f"swarm.adversary must be one of {', '.join(repr(a) for a in ADVERSARIES)}, got {self.adversary!r}",
         )
 
 
@@ -167,9 +193,14 @@ class RunConfig:
         _require(not self.resume or bool(self.checkpoint_dir), "run.resume needs run.checkpoint_dir (--checkpoint-dir)")
         _require(self.eval_every >= 1, f"run.eval_every must be >= 1, got {self.eval_every}")
         _require(self.eval_batches >= 1, f"run.eval_batches must be >= 1, got {self.eval_batches}")
-        _require(self.threads >= 1, f"run.threads must be >= 1, got {self.threads}")
+        # data order seeds torch generators with seed * 1_000_003 + batch index, which must fit in 64 bits
+        _require(0 <= self.seed < 2**32, f"run.seed must be in [0, 2**32), got {self.seed}")
+        _require(1 <= self.threads <= 1024, f"run.threads must be in [1, 1024], got {self.threads}")
         _require(self.shutdown_wait_s >= 0, f"run.shutdown_wait_s must be >= 0 s, got {self.shutdown_wait_s}")
-        _require(self.start_at_unix >= 0, f"run.start_at_unix must be >= 0 (Unix seconds), got {self.start_at_unix}")
+        _require(
+            0 <= self.start_at_unix < _YEAR_2100_UNIX,
+            f"run.start_at_unix must be a Unix time in seconds (or 0), got {self.start_at_unix}",
+        )
 
 
 @dataclass(frozen=True)
@@ -202,24 +233,30 @@ def build_config(overrides: dict[str, dict[str, Any]]) -> PeerConfig:
     """Build a PeerConfig from ``{section: {field: value}}``; unknown names raise ValueError."""
     sections = {}
     for name, cls in _SECTION_CLASSES.items():
-        values = dict(overrides.get(name, {}))
+        section = overrides.get(name, {})
+        _require(isinstance(section, dict), f"config section [{name}] must be a table, got {type(section).__name__}")
+        values = dict(section)
         known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(values) - set(known))
+        unknown = sorted(str(key) for key in set(values) - set(known))
         _require(not unknown, f"unknown key(s) in [{name}]: {', '.join(unknown)}")
         for key, value in values.items():
             if isinstance(value, list):
                 values[key] = tuple(value)
             _check_type(name, key, known[key], values[key])
         sections[name] = cls(**values)
-    unknown_sections = sorted(set(overrides) - set(_SECTION_CLASSES))
+    unknown_sections = sorted(str(key) for key in set(overrides) - set(_SECTION_CLASSES))
     _require(not unknown_sections, f"unknown config section(s): {', '.join(unknown_sections)}")
     return PeerConfig(**sections)
 
 
 def _check_type(section: str, key: str, spec: dataclasses.Field, value: Any) -> None:
     default = spec.default if spec.default is not dataclasses.MISSING else None
-    if default is None:
-        return  # optional fields (paths) take None or a string
+    if default is None:  # optional fields (paths) take None or a string
+        _require(
+            value is None or (isinstance(value, str) and "\x00" not in value),
+            f"{section}.{key} must be a path (a string), got {_show(value)}",
+        )
+        return
     _require(value is not None, f"{section}.{key} must be set (got no value)")
     expected: tuple[type, ...] = (type(default),)
     if isinstance(default, float):
@@ -229,23 +266,45 @@ def _check_type(section: str, key: str, spec: dataclasses.Field, value: Any) -> 
         _require(isinstance(value, bool) == isinstance(default, bool), f"{section}.{key} has the wrong type")
     _require(
         isinstance(value, expected),
-        f"{section}.{key} must be of type {type(default).__name__}, got {type(value).__name__} ({value!r})",
+        f"{section}.{key} must be of type {type(default).__name__}, got {type(value).__name__} ({_show(value)})",
     )
+    if isinstance(value, tuple):
+        _require(all(isinstance(v, str) for v in value), f"{section}.{key} must be a list of strings, got {_show(value)}")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        # NaN fails the sections' range checks anyway, but inf passes "> 0" and then sleeps, times out or trains forever
+        _require(
+            _is_finite(value) and abs(value) <= _MAX_NUMBER,
+            f"{section}.{key} must be a finite number within +-2**53, got {_show(value)}",
+        )
+        _require(not key.endswith("_s") or value <= _MAX_SECONDS, f"{section}.{key} must be <= {_MAX_SECONDS:.0e} s, got {value}")
+
+
+def _is_finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     """Read a TOML config file into ``{section: {field: value}}``; raises ValueError with the reason."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as handle:
+            raw = handle.read(_MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ValueError(f"cannot read config file {path}: {e.strerror or e}") from None
+    _require(len(raw) <= _MAX_CONFIG_BYTES, f"config file {path} is larger than {_MAX_CONFIG_BYTES >> 20} MiB: not a config file")
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"config file {path} is not UTF-8 text") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise ValueError(f"config file {path} nests arrays or tables too deeply") from None
     for section, values in data.items():
         _require(isinstance(values, dict), f"config file {path}: '{section}' must be a [table]")
     return data

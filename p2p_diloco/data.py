@@ -4,19 +4,29 @@ The default corpus is the Python standard library's own ``.py`` sources (the fol
 module, without site-packages and test suites), present on every Python install, so nothing is downloaded. Users can
 point ``corpus_dir`` to their own folder of text files. The last ``eval_fraction`` of the bytes is held
 out for evaluation and never trained on. This module does not tokenize beyond raw bytes.
+
+A user's folder may hold anything: only regular files are read (a named pipe or a link to /dev/zero would
+block or never end), binary files are skipped, and a corpus too large to hold in memory is refused.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from pathlib import Path
 
 import torch
 
 from p2p_diloco.config import DataConfig
 
+logger = logging.getLogger(__name__)
+
 # Third-party packages and the test suites are left out: about 12 MB of library code remains.
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+# The corpus is held in memory whole, twice while it is joined: refuse more rather than be OOM-killed mid-read.
+MAX_CORPUS_BYTES = 4 << 30
+_BINARY_SNIFF_BYTES = 8192  # a NUL byte in a file's first 8 KiB marks it as binary (git's heuristic)
 
 
 def default_corpus_dir() -> Path:
@@ -38,16 +48,43 @@ def load_corpus(corpus_dir: str | None) -> torch.Tensor:
     root = Path(corpus_dir) if corpus_dir else default_corpus_dir()
     if not root.is_dir():
         raise ValueError(f"corpus folder {root} does not exist or is not a folder")
-    chunks = []
+    chunks, total, binary = [], 0, 0
     for path in _corpus_files(root, default=corpus_dir is None):
-        try:
-            chunks.append(path.read_bytes())
-        except OSError:
-            continue  # unreadable files (permissions, broken links) are skipped, not fatal
+        data = _read_regular_file(path, limit=MAX_CORPUS_BYTES - total)
+        if data is None:
+            continue  # not a regular file, or unreadable (permissions, broken or looping links): skipped
+        if b"\0" in data[:_BINARY_SNIFF_BYTES]:
+            binary += 1
+            continue
+        total += len(data)
+        chunks.append(data)
+    if binary:
+        logger.warning("corpus folder %s: skipped %d binary file(s)", root, binary)
     data = b"\n".join(chunks)
     if len(data) < 1 << 16:
-        raise ValueError(f"corpus folder {root} holds only {len(data)} bytes; need at least 64 KiB of text")
+        raise ValueError(f"corpus folder {root} holds only {len(data)} bytes of text; need at least 64 KiB")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _read_regular_file(path: Path, limit: int) -> bytes | None:
+    """The bytes of ``path`` if it is a readable regular file (links followed), else None; ValueError if it has
+    more than ``limit`` bytes (what is left of the corpus budget). Opened non-blocking and checked after
+    opening, so a named pipe neither blocks the open nor is read, and a file cannot be swapped for one in
+    between; at most the size it had when opened is read (a device has none)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        if info.st_size > limit:
+            raise ValueError(f"the corpus goes past {MAX_CORPUS_BYTES >> 30} GiB of text at {path}; point --corpus-dir to a smaller folder")
+        try:
+            return handle.read(info.st_size)
+        except OSError:
+            return None
 
 
 class TokenShard:

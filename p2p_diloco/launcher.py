@@ -179,9 +179,15 @@ class LocalSwarm:
         return {name: peer.stop(grace_s=40) for name, peer in self.peers.items()}
 
 
-def run_to_end(out_dir: Path, flags: list[str], per_peer: list[list[str]], timeout_s: float) -> dict:
+def run_to_end(out_dir: Path, flags: list[str], per_peer: list[list[str]], timeout_s: float, startup_s: float = 30.0) -> dict:
     """Start one peer per entry of ``per_peer`` (its extra flags), wait until all have stopped by themselves,
-    stop any left over, and return the run report. What the benchmark scripts run, once per configuration."""
+    stop any left over, and return the run report. What the benchmark scripts run, once per configuration.
+
+    The peers begin training together ``startup_s`` after launch (``--start-at``, unless ``flags`` set it):
+    otherwise the first peer up trains and averages alone while the others are still importing torch, and
+    the configurations compared would each start differently."""
+    if not any(flag.startswith("--start-at") for flag in flags):
+        flags = [*flags, "--start-at", f"{time.time() + startup_s:.1f}"]
     swarm = LocalSwarm(out_dir, flags)
     try:
         for index, extra in enumerate(per_peer):
@@ -248,7 +254,10 @@ def swarm_main(argv: list[str] | None = None, prog: str = "swarm.py") -> int:
     if not any(a.startswith("--max-time-s") or a.startswith("--max-outer-steps") for a in peer_args):
         peer_args += ["--max-time-s", "180"]
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # --out names a file, or a folder we may not write in
+        return _fail(prog, f"cannot use --out {out_dir}: {e.strerror or e}")
     return _run(args, peer_args, out_dir, prog)
 
 

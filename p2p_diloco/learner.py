@@ -42,23 +42,29 @@ PEAK_WINDOW_S = 1.0  # the window of the largest-burst figure (peak_send_bytes_p
 
 
 def partition_fragments(params: list[torch.Tensor], count: int) -> list[list[Segment]]:
-    """Split the params into ``count`` strided fragments: fragment k holds the k-th 1/count slice (flat, so
-    whole rows of a matrix) of every tensor. Every fragment then touches every layer, and each outer step
-    moves the whole model a little; contiguous fragments (fragment k = layers k/count..) learned measurably
-    slower at equal tokens, since a layer synced on one step waited count-1 steps while its neighbours moved.
-    Sizes are equal to within one value per tensor; a tensor smaller than ``count`` lies in some fragments only."""
+    """Split the params into ``count`` fragments of whole tensors, balanced by size (largest first into the
+    least-filled fragment; ties by position, so every peer computes the same split).
+
+    Whole tensors, because a fragment's outer step moves its tensors at once while the others wait: rows of
+    one matrix synced at different times (the tied embedding/output matrix above all, whose rows are the
+    logits of different tokens) made the global params inconsistent, and the swarm learned measurably slower
+    at equal tokens than with one fragment. Only a tensor larger than one fragment's share (total / count) is
+    cut, into contiguous flat slices of at most that share."""
     sizes = [p.numel() for p in params]
-    if not 1 <= count <= max(sizes, default=0):
-        raise ValueError(f"cannot split params whose largest tensor has {max(sizes, default=0)} values into {count} fragments")
-    fragments = []
-    for k in range(count):
-        segments = []
-        for index, size in enumerate(sizes):
-            first, last = size * k // count, size * (k + 1) // count
-            if first < last:
-                segments.append(Segment(index, first, last))
-        fragments.append(segments)
-    return fragments
+    total = sum(sizes)
+    if not 1 <= count <= total:
+        raise ValueError(f"cannot split params of {total} values into {count} fragments")
+    share = total // count  # pieces no larger than this are at least `count` many, so no fragment is empty
+    pieces = []
+    for index, size in enumerate(sizes):
+        cuts = -(-size // share)
+        pieces += [Segment(index, size * j // cuts, size * (j + 1) // cuts) for j in range(cuts)]
+    loads, fragments = [0] * count, [[] for _ in range(count)]
+    for piece in sorted(pieces, key=lambda s: (s.start - s.stop, s.index, s.start)):
+        k = min(range(count), key=lambda k: (loads[k], k))
+        fragments[k].append(piece)
+        loads[k] += piece.stop - piece.start
+    return [sorted(fragment) for fragment in fragments]
 
 
 @dataclass
@@ -394,7 +400,7 @@ class Learner:
         )
         self._publish_step(link)
         status = "fork_healed" if forked else "caught_up"
-        self._write(link, AveragingOutcome(None, (), 0.0, status, f"downloaded from {state.donor}"))
+        self._write(link, AveragingOutcome(None, (), 0.0, status, f"downloaded from {state.donor}", state.refused_donors))
         if self.config.run.checkpoint_dir:  # a restart after this resumes here, not from before the download
             self.save_checkpoint()
         return True
@@ -463,6 +469,8 @@ class Learner:
                 outer_step=self.outer_step,
                 status=outcome.status,
                 reason=outcome.reason,
+                # groupmates whose part, weight or result this peer rejected or clamped, or donors it refused
+                rejected_peers=[dict(peer=peer, reason=why) for peer, why in outcome.rejected],
                 time_s=round(elapsed, 3),
                 unix_time=round(time.time(), 3),  # wall clock: lines up the records of restarted peers
                 tokens=self.tokens_total,

@@ -26,6 +26,8 @@ class AveragingOutcome:
     weight_total: float
     status: str  # "ok", "partial", "no_group", "error" or "stale"
     reason: str = ""
+    # (peer id, why) for every groupmate whose contribution or result this peer rejected, or whose weight it clamped
+    rejected: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,12 @@ class SwarmState:
     donor: str
     # outer step r -> the peers whose outer gradients made step r -> r+1, as the donor knows it (recent steps)
     round_history: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    refused_donors: tuple[tuple[str, str], ...] = ()  # (peer id, why) of donors whose state failed verification
 
 
 @dataclass(frozen=True)
 class RoundView:
-    """What this peer knows of the swarm's current round (from progress records a second or two old)."""
+    """What this peer knows of the swarm's current round (from progress records up to a period or two old, extrapolated)."""
 
     live_peers: int  # other peers whose progress record is fresh
     tokens_by_others: int  # tokens the other peers report for this round

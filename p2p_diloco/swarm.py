@@ -9,6 +9,7 @@ round means: it reports what happened.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -23,11 +24,14 @@ import torch
 from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
-from p2p_diloco.averaging import DilocoAverager, WireCodec, part_values_for, run_averaging
+from p2p_diloco.averaging import WireCodec, part_values_for, run_averaging
 from p2p_diloco.compression import ErrorFeedback, make_codec
 from p2p_diloco.config import SwarmConfig
+from p2p_diloco.guarded import GuardedAllReduceRunner, GuardedAverager
 from p2p_diloco.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
+from p2p_diloco.membership import MemberCheck, MemberRecordValidator, load_swarm_key
 from p2p_diloco.outer import params_sha256
+from p2p_diloco.robust import TokenLedger
 
 logger = logging.getLogger(__name__)
 _BOOTSTRAP_ATTEMPTS = 3
@@ -47,13 +51,18 @@ class _PeerDHT(DHT):
         super().run()
 
 
-def start_dht(config: SwarmConfig) -> DHT:
+def start_dht(config: SwarmConfig, record_validators: Sequence[Any] = ()) -> DHT:
     """Start this peer's DHT (and its ``p2pd``); raise SwarmStartError with a one-line reason."""
     kwargs = dict(
+        record_validators=list(record_validators),
         initial_peers=list(config.initial_peers),
         host_maddrs=list(config.host_maddrs),
         start=True,
         await_ready=False,
+        # every record we read we read again each progress period, so hivemind's extra copies are pure traffic:
+        # no pushing what we found to the nearest node (cache_nearest), no re-reading before expiry
+        cache_nearest=0,
+        cache_refresh_before_expiry=0,
     )
     if config.announce_maddrs:
         kwargs["announce_maddrs"] = list(config.announce_maddrs)
@@ -133,6 +142,8 @@ class ProgressBeacon:
 class SwarmLink:
     """The learner's connection to the swarm; see the module docstring."""
 
+    runner_class: type[GuardedAllReduceRunner] = GuardedAllReduceRunner  # adversary.py swaps in a misbehaving one
+
     def __init__(
         self,
         config: SwarmConfig,
@@ -141,21 +152,32 @@ class SwarmLink:
         fragments: int = 1,
     ):
         self.config = config
-        self.dht = start_dht(config)
+        try:
+            swarm_key = load_swarm_key(config.swarm_key_file) if config.swarm_key_file else None
+        except ValueError as e:
+            raise SwarmStartError(str(e)) from None
+        self.dht = start_dht(config, [MemberRecordValidator(swarm_key)] if swarm_key else [])
         self.peer_id = self.dht.peer_id.to_base58()
         self._progress_key = f"{config.run_id}.progress"
+        self._fragments, self._ledger = fragments, TokenLedger()
+        if swarm_key:
+            logger.info("closed run: only holders of the swarm key in %s can store records, average or download state", config.swarm_key_file)
+        else:
+            logger.info("open run: anyone who can reach this swarm can join its averaging (no --swarm-key-file)")
         self.codec = make_codec(config.compression)
         # one residual per streaming fragment: outer step r carries fragment r % fragments
         self._error_feedback = [ErrorFeedback(self.codec) for _ in range(fragments)] if config.compression == "int4" else None
-        self._averager: DilocoAverager | None = None
+        self._averager: GuardedAverager | None = None
         self._beacon: ProgressBeacon | None = None
         previous_sigint = signal.getsignal(signal.SIGINT)
         try:
-            self._averager = DilocoAverager(
+            self._averager = GuardedAverager(
                 [torch.zeros_like(t) for t in template],  # what one averaging carries (all params, or a fragment)
                 self.dht,
                 wire_codec=WireCodec(self.codec, part_values_for(self.codec, sum(t.numel() for t in template))),
                 state_provider=state_provider,
+                runner_class=self.runner_class,
+                membership=MemberCheck(self.dht, self._progress_key) if swarm_key else None,
                 prefix=f"{config.run_id}_averaging",
                 start=True,
                 min_matchmaking_time=config.matchmaking_time_s,
@@ -167,7 +189,7 @@ class SwarmLink:
                 shutdown_timeout=5,
             )
             self._beacon = ProgressBeacon(
-                self.dht, self._progress_key, config.progress_period_s, config.progress_ttl_s, self.live_peers
+                self.dht, self._progress_key, config.progress_period_s, config.progress_ttl_s, self._read_progress
             )
         except BaseException:
             self.close()
@@ -206,6 +228,15 @@ class SwarmLink:
             return None
         return min(votes, key=lambda sha: (-votes[sha], sha))
 
+    def agreed_sha(self, outer_step: int) -> str | None:
+        """The sha256 that at least half of the live peers reporting ``outer_step`` published for it (the
+        canonical one on a tie), or None: a minority, a lone donor among others say, is never believed."""
+        votes = Counter(
+            str(r.get("global_sha256")) for r in self.live_peers().values() if r.get("outer_step") == outer_step
+        )
+        canonical = min(votes, key=lambda sha: (-votes[sha], sha)) if votes else None
+        return canonical if canonical is not None and 2 * votes[canonical] >= sum(votes.values()) else None
+
     def live_peers(self) -> dict[str, dict]:
         """Progress records of the other peers whose record has not expired."""
         try:  # bounded: a DHT process that died (or a p2pd that did) must not hang the training loop
@@ -237,18 +268,43 @@ class SwarmLink:
         if self._error_feedback is not None:
             feedback = self._error_feedback[outer_step % len(self._error_feedback)]
             tensors, residual = feedback.prepare(list(tensors))
-        live = self.live_peers()
-        if not live:
-            outcome = self.average_alone(tensors, weight)
+        live = self._read_progress()
+        if live:
+            outcome = self._average_with(live, tensors, weight, outer_step)
+        elif self._beacon is not None and self._beacon.peers:
+            # the DHT answered "nobody" while the beacon's last view had peers: a DHT that is reconnecting (after a
+            # freeze, say), not an empty swarm. Averaging alone now would race ahead of the others on its own
+            # outer steps, one instant round after another; fail this round instead (the progress is kept)
+            outcome = AveragingOutcome(None, (), 0.0, "no_group", "the swarm's progress records could not be read")
         else:
-            assert self._averager is not None
-            timeout_s = self.config.averaging_timeout_s
-            outcome = run_averaging(
-                self._averager, tensors, weight, outer_step, timeout_s, 1 + len(live), lambda: self._moved_past(outer_step)
-            )
+            outcome = self.average_alone(tensors, weight)
         if feedback is not None and residual is not None and outcome.averaged is not None:
             feedback.commit(residual)
         return outcome
+
+    def _average_with(self, live: dict[str, dict], tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
+        """One averaging with the live peers; each sender's weight is bounded by the tokens it published for the
+        round (two rounds per fragment: a failed round's progress flows into the next), and what the reducers
+        rejected comes back in the outcome."""
+        assert self._averager is not None
+        try:
+            self._averager.take_rejections()  # left over from an abandoned attempt
+            self._averager.set_allowed_weights(self._ledger.allowed(outer_step, rounds=2 * self._fragments))
+        except Exception as e:  # the averager process is gone or stuck: run_averaging reports it
+            logger.debug("could not pass the weight limits to the averager: %r", e)
+        outcome = run_averaging(
+            self._averager, tensors, weight, outer_step, self.config.averaging_timeout_s, 1 + len(live),
+            lambda: self._moved_past(outer_step),
+        )
+        rejected = tuple(self._averager.take_rejections())
+        return dataclasses.replace(outcome, rejected=rejected) if rejected else outcome
+
+    def _read_progress(self) -> dict[str, dict]:
+        """The live peers' progress records, noting the tokens each published per round (weight limits)."""
+        peers, now = self.live_peers(), get_dht_time()
+        for peer, record in peers.items():
+            self._ledger.observe(peer, record.get("round"), _tokens_now(record, now, 2 * self.config.progress_period_s))
+        return peers
 
     def _moved_past(self, outer_step: int) -> bool:
         """Some live peer already reports a later outer step: a group for ``outer_step`` will not form any more."""
@@ -298,6 +354,7 @@ class SwarmLink:
         assert self._averager is not None
         deadline = time.monotonic() + self.config.state_timeout_s
         refused: set[str] = set()  # donors whose state failed verification: the next one in priority is asked
+        reasons: dict[str, str] = {}  # every donor refused during this download, and why (for the metrics)
         while time.monotonic() < deadline:
             remaining = deadline - time.monotonic()
             try:
@@ -311,24 +368,29 @@ class SwarmLink:
                 continue
             metadata, tensors, donor = loaded
             state = self._verified_state(metadata, tensors, num_params=num_params, donor=donor)
-            if state is not None:
-                return state
+            if isinstance(state, SwarmState):
+                return dataclasses.replace(state, refused_donors=tuple(sorted(reasons.items())))
+            logger.warning("donor %s: %s; asking another donor", donor, state)
             refused.add(donor)
+            reasons.setdefault(donor, state)
         return None
 
     def _verified_state(
         self, metadata: object, tensors: Sequence[torch.Tensor], num_params: int, donor: str
-    ) -> SwarmState | None:
+    ) -> SwarmState | str:
+        """The donor's state if its params hash to the sha256 that the swarm's peers published for its outer step
+        (``agreed_sha``), otherwise why not."""
         if not isinstance(metadata, dict) or len(tensors) != 2 * num_params:
-            logger.warning("donor %s sent a malformed state; asking another", donor)
-            return None
+            return "malformed state"
         params, momentum = [t.float() for t in tensors[:num_params]], [t.float() for t in tensors[num_params:]]
         digest = params_sha256(params)
-        outer_step = int(metadata.get("outer_step", -1))
-        expected = self.canonical_sha(outer_step)
+        try:
+            outer_step = int(metadata.get("outer_step", -1))
+        except (TypeError, ValueError):
+            return "malformed outer step"
+        expected = self.agreed_sha(outer_step)
         if digest != expected or digest != metadata.get("global_sha256"):
-            logger.warning("state for outer step %d from %s does not match the swarm's sha256; asking another donor", outer_step, donor)
-            return None
+            return f"its params for outer step {outer_step} do not hash to the sha256 the swarm's peers published"
         return SwarmState(
             outer_step=outer_step,
             global_params=params,

@@ -60,6 +60,22 @@ def test_comparison_at_equal_tokens_and_bytes_ratio():
     assert "| diloco-int8 | 2 |" in table and "| syncdp | 2 |" in table
 
 
+def test_pairs_are_compared_at_their_own_equal_points():
+    diloco = _run("diloco-int8", [(0, 0, 5.0), (10, 5000, 3.0), (20, 10000, 2.5)], 2, wire_per_peer=1000, fraction=0.99)
+    sync = _run("syncdp", [(0, 0, 5.0), (5, 1000, 4.0)], 2, wire_per_peer=500_000, fraction=0.2)
+    hopt = _run("hivemind-opt", [(0, 0, 5.0), (10, 5000, 2.8), (30, 12000, 2.4)], 2, wire_per_peer=9000, fraction=0.9)
+    summaries = {m: summarise(r) for m, r in (("diloco-int8", diloco), ("syncdp", sync), ("hivemind-opt", hopt))}
+    result = compare(summaries)
+    assert result["equal_wall_s"] == 5  # the shortest run sets the common point...
+    pairs = {(p["method"], p["baseline"]): p for p in result["pairs"]}
+    against_hopt = pairs[("diloco-int8", "hivemind-opt")]  # ...but not that of a pair it is not part of
+    assert against_hopt["equal_wall_s"] == 20 and against_hopt["equal_swarm_tokens"] == 20000
+    assert against_hopt["loss_at_equal_wall_s"] == {"diloco-int8": 2.5, "hivemind-opt": 2.8}
+    assert against_hopt["vs_baseline_at_equal_wall_s"] == pytest.approx(2.5 / 2.8 - 1, abs=1e-4)
+    assert pairs[("diloco-int8", "syncdp")]["loss_at_equal_swarm_tokens"] == {"diloco-int8": 5.0, "syncdp": 4.0}
+    assert "| diloco-int8 | hivemind-opt | 20,000 tokens: 2.500 vs 2.800 (-10.7%)" in markdown_table(summaries, result)
+
+
 def test_alone_against_bare():
     bare = _run("bare", [(0, 0, None), (10, 10_000, 3.0)], 1, wire_per_peer=0, fraction=1.0)
     alone = _run("alone", [(0, 0, 5.0), (10, 9_900, 3.0)], 1, wire_per_peer=0, fraction=0.98)

@@ -37,6 +37,12 @@ from p2p_diloco.config import (
         (lambda: DataConfig(shard_index=2, num_shards=2), "data.shard_index"),
         (lambda: DataConfig(eval_fraction=0.0), "data.eval_fraction"),
         (lambda: RunConfig(max_outer_steps=-1), "run.max_outer_steps"),
+        (lambda: ModelConfig(vocab_size=10), "model.vocab_size"),  # tokens are bytes: IndexError at the first step
+        (lambda: InnerConfig(throttle=1e300), "inner.throttle"),  # time.sleep overflows
+        (lambda: RunConfig(seed=2**63 - 1), "run.seed"),  # data order seeds overflow int64
+        (lambda: RunConfig(seed=-1), "run.seed"),
+        (lambda: RunConfig(threads=10**9), "run.threads"),  # torch aborts with a C++ stack trace
+        (lambda: RunConfig(start_at_unix=1.7e12), "run.start_at_unix"),  # milliseconds: would wait 50,000 years
     ],
 )
 def test_bad_values_raise_naming_the_field(make, field: str):
@@ -115,3 +121,39 @@ def test_load_toml_unreadable_file_raises_naming_it(tmp_path):
         load_toml(missing)
     with pytest.raises(ValueError, match=rf"cannot read config file {re.escape(str(tmp_path))}"):
         load_toml(tmp_path)  # a folder, not a file
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"inner": {"lr": float("inf")}}, r"inner\.lr must be a finite number"),  # inf passes "> 0", then diverges
+        ({"outer": {"lr": float("nan")}}, r"outer\.lr must be a finite number"),
+        ({"swarm": {"averaging_timeout_s": float("inf")}}, r"swarm\.averaging_timeout_s must be a finite number"),
+        ({"swarm": {"averaging_timeout_s": 1e12}}, r"swarm\.averaging_timeout_s must be <="),  # overflows timers
+        ({"model": {"n_layers": 10**30}}, r"model\.n_layers must be a finite number within \+-2\*\*53"),
+        ({"data": {"corpus_dir": 5}}, r"data\.corpus_dir must be a path"),  # was a TypeError traceback
+        ({"run": {"checkpoint_dir": "ckpt\x00"}}, r"run\.checkpoint_dir must be a path"),
+        ({"swarm": {"initial_peers": [1, 2]}}, r"swarm\.initial_peers must be a list of strings"),
+        ({"inner": 5}, r"config section \[inner\] must be a table"),
+        ({"inner": {1: 2}}, r"unknown key\(s\) in \[inner\]: 1"),
+        ({"swarm": {"run_id": "x" * 10_000 + "!"}}, r"swarm\.run_id .*\.\.\.$"),  # cut short: one readable line
+    ],
+)
+def test_build_config_refuses_hostile_values_in_one_line(overrides, expected):
+    with pytest.raises(ValueError, match=expected) as caught:
+        build_config(overrides)
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 300
+
+
+def test_load_toml_refuses_a_huge_file_without_reading_it_all(tmp_path):
+    path = tmp_path / "huge.toml"
+    path.write_bytes(b"# " + b"x" * (2 << 20))
+    with pytest.raises(ValueError, match="larger than 1 MiB"):
+        load_toml(path)
+
+
+def test_load_toml_refuses_deep_nesting_naming_the_file(tmp_path):
+    path = tmp_path / "deep.toml"
+    path.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} nests arrays or tables too deeply"):
+        load_toml(path)

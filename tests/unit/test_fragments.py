@@ -1,4 +1,4 @@
-"""Streaming fragments: an equal strided split, and each outer step touching only its own fragment."""
+"""Streaming fragments: a balanced split of whole tensors, and each outer step touching only its own fragment."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .helpers import make_dataset, snapshot
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 7])
-def test_partition_is_strided_complete_and_equal(count):
+def test_partition_is_complete_balanced_and_keeps_tensors_whole(count):
     sizes = (100, 10, 300, 50, 50, 200, 90, 200, 3)
     params = [torch.zeros(n) for n in sizes]
     fragments = partition_fragments(params, count)
@@ -22,15 +22,23 @@ def test_partition_is_strided_complete_and_equal(count):
     # every value of every tensor lies in exactly one fragment
     seen = sorted((s.index, v) for fragment in fragments for s in fragment for v in range(s.start, s.stop))
     assert seen == [(i, v) for i, p in enumerate(params) for v in range(p.numel())]
-    # each fragment holds one slice of every tensor that has at least `count` values, the k-th one
-    for k, fragment in enumerate(fragments):
-        by_tensor = {s.index: s for s in fragment}
-        assert len(by_tensor) == len(fragment)
-        for i, n in enumerate(sizes):
-            if n >= count:
-                assert (by_tensor[i].start, by_tensor[i].stop) == (n * k // count, n * (k + 1) // count)
+    share = sum(sizes) // count
+    for fragment in fragments:
+        for s in fragment:  # a tensor no larger than a fragment's share is never cut
+            if sizes[s.index] <= share:
+                assert (s.start, s.stop) == (0, sizes[s.index])
+            else:
+                assert s.stop - s.start <= share
     totals = [sum(s.stop - s.start for s in fragment) for fragment in fragments]
-    assert max(totals) - min(totals) <= len(sizes)
+    largest_piece = max(s.stop - s.start for fragment in fragments for s in fragment)
+    assert max(totals) - min(totals) <= largest_piece  # largest-first into the least filled
+    assert partition_fragments([torch.zeros(n) for n in sizes], count) == fragments  # the same split on every peer
+
+
+def test_a_tensor_larger_than_a_share_is_cut_into_contiguous_slices():
+    fragments = partition_fragments([torch.zeros(1000), torch.zeros(10)], 4)
+    big = sorted((s.start, s.stop) for fragment in fragments for s in fragment if s.index == 0)
+    assert big == [(0, 250), (250, 500), (500, 750), (750, 1000)]
 
 
 def test_one_fragment_is_the_whole_tensors():
@@ -40,7 +48,7 @@ def test_one_fragment_is_the_whole_tensors():
 
 def test_more_fragments_than_values_is_refused():
     with pytest.raises(ValueError, match="fragments"):
-        partition_fragments([torch.zeros(3), torch.zeros(3)], 4)
+        partition_fragments([torch.zeros(3), torch.zeros(3)], 7)
 
 
 def test_each_outer_step_updates_only_its_fragment(make_config):
@@ -63,7 +71,8 @@ def test_each_outer_step_updates_only_its_fragment(make_config):
     (template,) = learner.averaging_template()
     total = sum(p.numel() for p in learner.params)
     assert template.numel() == max(sum(s.stop - s.start for s in f) for f in learner.fragments)
-    assert total // 2 <= template.numel() <= total // 2 + len(learner.params)
+    largest = max(p.numel() for p in learner.params)
+    assert total // 2 <= template.numel() <= total // 2 + largest
 
 
 def test_peak_send_rate_is_the_largest_burst_over_a_sliding_second(make_config, monkeypatch):

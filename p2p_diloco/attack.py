@@ -1,0 +1,216 @@
+"""Attacks on a local swarm (``scripts/attack.py``): honest peers beside one adversary of each kind, each run
+against a calm run of the same honest swarm (DESIGN.md §3.5, issue 6).
+
+Every scenario runs the same honest swarm: ``honest0`` and ``honest1`` from the start, ``honest2`` beginning
+``LATE_START_S`` later (so it downloads the state, which the wrong-donor attack targets), all stopping at the same
+outer step. The adversaries are real peers started with the hidden ``--adversary`` flag
+(adversary.py); the stranger of ``non_member`` is an honest peer without the swarm key of a closed run.
+
+Per scenario, from the peers' own metrics, logs and final checkpoints:
+
+- final eval loss of the honest peers' global params, and its change vs the calm run;
+- whether any honest global parameter (final checkpoint) or eval loss is non-finite;
+- invariant 1 among the honest peers;
+- delay: how much later the honest peers finished than in the calm run, and their failed rounds;
+- whether the adversary is named in an honest peer's metrics (``rejected_peers``) or, for the stranger, refused
+  in an honest peer's log and never in an honest group.
+
+This module starts and stops processes (through launcher.py) and reads what they wrote; it holds no training logic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2p_diloco import checkpoint
+from p2p_diloco.launcher import LocalSwarm, wait_for_address
+from p2p_diloco.report import check_invariant_1
+
+SCENARIOS = ("calm", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor", "non_member")
+HONEST = ("honest0", "honest1", "honest2")
+LATE_START_S = 8.0  # honest2 begins this much after the others, when the swarm is a few outer steps ahead
+DEFAULT_FLAGS = [
+    "--n-layers", "2", "--d-model", "64", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
+    "--inner-steps", "20", "--matchmaking-time-s", "3", "--averaging-timeout-s", "30", "--chunk-timeout-s", "4",
+    "--state-timeout-s", "30", "--compression", "int8", "--progress-period-s", "2", "--checkpoint-every", "100",
+]
+
+
+def run_scenario(name: str, out_dir: Path, flags: list[str], outer_steps: int, timeout_s: float) -> dict[str, Any]:
+    """Run one scenario in ``out_dir/name`` and return its figures (``analyse``)."""
+    folder = out_dir / name
+    shutil.rmtree(folder, ignore_errors=True)  # a retried scenario starts clean (its peers must not resume)
+    # the first peer starts the swarm, the others join through it; all begin training together (a busy machine
+    # takes tens of seconds to start a peer)
+    start_at = time.time() + 90
+    common = [*flags, "--run-id", f"attack-{name}", "--max-outer-steps", str(outer_steps)]
+    key = []
+    if name == "non_member":
+        key_file = folder / "swarm.key"
+        folder.mkdir(parents=True, exist_ok=True)
+        key_file.write_text(secrets.token_hex(32))
+        key = ["--swarm-key-file", str(key_file)]
+    swarm = LocalSwarm(folder, common)
+    started = time.monotonic()
+    try:
+        for index, peer in enumerate(HONEST):  # honest2 begins LATE_START_S after the others: it downloads the state
+            begin = ["--start-at", f"{start_at + (LATE_START_S if peer == 'honest2' else 0):.1f}"]
+            swarm.start(peer, shard=index, num_shards=4, extra=[*key, *begin, *_own_checkpoints(folder, peer)])
+        begin = ["--start-at", f"{start_at:.1f}"]
+        if name == "non_member":
+            swarm.start("adversary", shard=3, num_shards=4, extra=begin)  # no key
+        elif name != "calm":
+            swarm.start("adversary", shard=3, num_shards=4, extra=[*begin, "--adversary", name])
+        for peer in swarm.peers.values():
+            wait_for_address(peer)
+        swarm.wait_until(lambda: not any(swarm.peers[p].alive for p in HONEST), timeout_s, "the honest peers to finish")
+    finally:
+        swarm.stop_all()
+    return analyse(name, folder, swarm.all_records(), time.monotonic() - started)
+
+
+def _own_checkpoints(folder: Path, peer: str) -> list[str]:
+    return ["--checkpoint-dir", str(folder / "checkpoints" / peer)]
+
+
+def analyse(name: str, folder: Path, records: dict[str, list[dict]], wall_s: float) -> dict[str, Any]:
+    honest = {peer: records.get(peer, []) for peer in HONEST}
+    adversary_id = next((r["peer_id"] for r in records.get("adversary", [])), None)
+    final_step, final_loss = _final_eval(honest)
+    named_in = [
+        peer for peer, recs in honest.items()
+        if adversary_id and any(item.get("peer") == adversary_id for r in recs for item in r.get("rejected_peers", []))
+    ]
+    logged = [peer for peer in HONEST if adversary_id and _log_names(folder / f"{peer}.log", adversary_id)]
+    in_honest_group = any(adversary_id in r.get("peers", []) for recs in honest.values() for r in recs if r["status"] == "ok")
+    return dict(
+        scenario=name,
+        wall_s=round(wall_s, 1),
+        adversary_id=adversary_id,
+        final_outer_step=final_step,
+        final_eval_loss=final_loss,
+        honest_non_finite=_non_finite(folder, honest),
+        invariant_1=check_invariant_1(honest),
+        honest_finish_s=max((recs[-1]["time_s"] for recs in honest.values() if recs), default=None),
+        honest_blocked_s=round(sum(recs[-1]["blocked_s"] for recs in honest.values() if recs), 2),
+        honest_failed_rounds=sum(r["status"] in ("partial", "error", "no_group") for recs in honest.values() for r in recs),
+        adversary_named_in_metrics_by=named_in,
+        adversary_refused_in_logs_of=logged,
+        adversary_in_honest_group=in_honest_group,
+    )
+
+
+def _final_eval(honest: dict[str, list[dict]]) -> tuple[int | None, float | None]:
+    evaluated = [r for recs in honest.values() for r in recs if r.get("eval_loss") is not None]
+    if not evaluated:
+        return None, None
+    last = max(evaluated, key=lambda r: (r["outer_step"], r["time_s"]))
+    return last["outer_step"], last["eval_loss"]
+
+
+def _non_finite(folder: Path, honest: dict[str, list[dict]]) -> bool:
+    """Any non-finite eval loss, or any non-finite global param or momentum in an honest peer's last checkpoint."""
+    if any(r.get("eval_loss") is not None and not math.isfinite(r["eval_loss"]) for recs in honest.values() for r in recs):
+        return True
+    for peer in HONEST:
+        files = sorted((folder / "checkpoints" / peer).glob("*.pt"))
+        if not files:
+            continue
+        try:
+            state = checkpoint.load(files[-1])
+        except ValueError:  # the loader refuses non-finite tensors too
+            return True
+        if any(not torch.isfinite(t).all() for t in [*state["global_params"], *state["momentum"]]):
+            return True
+    return False
+
+
+def _log_names(path: Path, peer_id: str) -> bool:
+    return path.exists() and any("refused" in line and peer_id in line for line in path.read_text(errors="replace").splitlines())
+
+
+def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each scenario's row of the table, against the calm run."""
+    calm = next(r for r in results if r["scenario"] == "calm")
+    rows = []
+    for result in results:
+        loss, base = result["final_eval_loss"], calm["final_eval_loss"]
+        change = (loss - base) / base if loss is not None and base else None
+        named = bool(result["adversary_named_in_metrics_by"]) or (
+            result["scenario"] == "non_member" and not result["adversary_in_honest_group"]
+        )
+        rows.append(dict(
+            scenario=result["scenario"],
+            final_outer_step=result["final_outer_step"],
+            eval_loss=loss,
+            eval_loss_vs_calm=round(change, 4) if change is not None else None,
+            honest_non_finite=result["honest_non_finite"],
+            invariant_1=result["invariant_1"]["held"],
+            delay_s=round(result["honest_finish_s"] - calm["honest_finish_s"], 1)
+            if result["honest_finish_s"] is not None and calm["honest_finish_s"] is not None else None,
+            honest_failed_rounds=result["honest_failed_rounds"],
+            adversary_named=None if result["scenario"] == "calm" else named,
+            named_by=result["adversary_named_in_metrics_by"] or result["adversary_refused_in_logs_of"],
+        ))
+    return rows
+
+
+def _run_with_retries(name: str, out_dir: Path, flags: list[str], args: Any, prog: str) -> dict[str, Any]:
+    """One scenario; on a machine this busy a peer sometimes misses its bootstrap window, so try again."""
+    for attempt in range(args.retries + 1):
+        print(f"running {name} ...", flush=True)
+        try:
+            return run_scenario(name, out_dir, flags, args.outer_steps, args.timeout_s)
+        except RuntimeError as e:
+            print(f"{prog}: {name} failed (attempt {attempt + 1}): {str(e).splitlines()[0][:300]}", flush=True)
+            error = str(e)[:2000]
+    return dict(scenario=name, error=error)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    head = "| attack | outer steps | eval loss | vs calm | honest non-finite | invariant 1 | delay (s) | failed honest rounds | adversary named |"
+    lines = [head, "|" + "---|" * 9]
+    for row in rows:
+        change = f"{100 * row['eval_loss_vs_calm']:+.2f}%" if row["eval_loss_vs_calm"] is not None else "-"
+        loss = f"{row['eval_loss']:.4f}" if row["eval_loss"] is not None else "-"
+        named = "-" if row["adversary_named"] is None else ("yes" if row["adversary_named"] else "NO")
+        lines.append(
+            f"| {row['scenario']} | {row['final_outer_step']} | {loss} | {change} | {row['honest_non_finite']} | "
+            f"{'held' if row['invariant_1'] else 'VIOLATED'} | {row['delay_s']} | {row['honest_failed_rounds']} | {named} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None, prog: str = "attack.py") -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description="Attack a local swarm: honest peers plus one adversary "
+                                     "of each kind, each against a calm run; writes OUT/attack.json and OUT/attack.md.")
+    parser.add_argument("--out", default="runs/attack", help="output folder (default runs/attack)")
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS), help="which to run (calm always runs)")
+    parser.add_argument("--outer-steps", type=int, default=12, help="outer steps every honest peer trains (default 12)")
+    parser.add_argument("--timeout-s", type=float, default=240.0, help="bound on one scenario (default 240)")
+    parser.add_argument("--retries", type=int, default=1, help="run a scenario again if a peer failed to start (default 1)")
+    args, peer_flags = parser.parse_known_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    flags = [*DEFAULT_FLAGS, *peer_flags]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that every scenario's peers are stopped
+    results = [_run_with_retries(name, out_dir, flags, args, prog) for name in ["calm", *[s for s in args.scenarios if s != "calm"]]]
+    complete = [r for r in results if "error" not in r]
+    rows = compare(complete) if any(r["scenario"] == "calm" for r in complete) else []
+    (out_dir / "attack.json").write_text(json.dumps(dict(flags=flags, outer_steps=args.outer_steps, rows=rows, results=results), indent=1))
+    table = markdown_table(rows)
+    (out_dir / "attack.md").write_text(table)
+    print(table, flush=True)
+    return 0 if len(complete) == len(results) else 1

@@ -1,0 +1,243 @@
+"""The averager a peer runs in a swarm it cannot trust: robust reducers, checked results, members only.
+
+Built on averaging.py's exact all-reduce (same bytes for every peer), by subclassing three small pieces:
+
+- ``RobustPartReducer`` (hivemind's ``TensorPartReducer``): holds each sender's part aside and, when the part is
+  complete, averages only the acceptable ones (``robust.robust_average``), with weights clamped to what each
+  sender's published progress supports. hivemind's own bookkeeping (part order, late and banned senders) runs
+  unchanged on a zero placeholder.
+- ``GuardedAllReduceRunner``: uses that reducer, and checks every averaged part it gets back from a reducer
+  (``robust.result_problem``) before it is applied; a bad one fails the round on our side ("partial all-reduce",
+  the failed-round path: the learner then catches up from the swarm) instead of corrupting our params.
+- ``GuardedAverager``: passes the weight limits for the round to its runner, hands the rejections back to the
+  parent process, and in a closed run (``membership``) refuses every averaging RPC from a non-member.
+
+It does not decide who is a member (membership.py) nor what a failed round means (the learner does).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+from collections.abc import Callable, Sequence
+from typing import Any, AsyncIterator  # noqa: UP035 -- hivemind reads RPC stream types from typing.AsyncIterator only
+
+import torch
+from hivemind.averaging.partition import AllreduceException, TensorPartReducer
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.mpfuture import MPFuture
+
+from p2p_diloco.averaging import DilocoAverager, ExactAllReduceRunner, PartialRoundError
+from p2p_diloco.robust import RobustPolicy, result_problem, robust_average
+
+logger = logging.getLogger(__name__)
+_PLACEHOLDER = torch.zeros(())  # what hivemind's accumulator adds (times weight 0) while we hold the real part
+
+
+class RobustPartReducer(TensorPartReducer):
+    """A reducer that averages each part over the senders that pass the checks of robust.py.
+
+    ``allowed[i]``: tokens sender i's published progress supports (None: no limit known); ``report(i, reason)`` is
+    called for every sender left out of a part or whose weight was clamped.
+    """
+
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        num_senders: int,
+        policy: RobustPolicy,
+        allowed: Sequence[float | None],
+        report: Callable[[int, str], None],
+    ):
+        self._inputs: dict[tuple[int, int], tuple[Any, float]] = {}  # (sender, part) -> (part, declared weight)
+        self._policy, self._allowed, self._report = policy, list(allowed), report
+        super().__init__(part_shapes, num_senders)
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        self._inputs[(sender_index, part_index)] = (tensor_part, weight)
+        return await super().accumulate_part(sender_index, part_index, _PLACEHOLDER, weight=0.0)
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.current_part_future.set_result(self._reduce_current_part())
+            self.reset_accumulators()
+
+    def _reduce_current_part(self) -> torch.Tensor:
+        index = self.current_part_index
+        # the senders hivemind counted for this part: a sender banned before sending it is not among them
+        senders = sorted(s for (s, p) in self._inputs if p == index and p < self.sender_failed_after[s])
+        inputs = [self._inputs[(s, index)] for s in senders]
+        for key in [key for key in self._inputs if key[1] <= index]:
+            del self._inputs[key]
+        result, notes = robust_average(
+            [part for part, _ in inputs],
+            [weight if isinstance(weight, int | float) else math.nan for _, weight in inputs],
+            [self._allowed[s] for s in senders],
+            torch.Size(self.part_shapes[index]),
+            self._policy,
+        )
+        for position, reason in notes.items():
+            self._report(senders[position], reason)
+        return result
+
+
+class GuardedAllReduceRunner(ExactAllReduceRunner):
+    """The exact all-reduce with robust reducers and checked results (see the module docstring).
+
+    ``guard``: the round's ``RoundGuard`` (weight limits in, rejections out).
+    """
+
+    def __init__(self, *, guard: RoundGuard, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.guard = guard
+        names = [peer.to_base58() for peer in self.sender_peer_ids]
+        self.tensor_part_reducer.finished.set()  # the reducer hivemind built is replaced unused: no "0% received" warning
+        self.tensor_part_reducer = RobustPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            len(self.sender_peer_ids),
+            guard.policy,
+            [guard.allowed.get(name) for name in names],
+            lambda sender, reason: guard.reject(names[sender], reason),
+        )
+        # hivemind registers each reducer's result in its container; check it there first, whoever the reducer is
+        container = self.tensor_part_container
+        self._register_unchecked = container.register_processed_part
+        container.register_processed_part = self._register_checked
+
+    def _register_checked(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
+        container = self.tensor_part_container
+        sent = container._input_parts_by_peer[peer_index][part_index][0]  # what we sent that reducer (hivemind 1.1.12)
+        problem = result_problem(part, sent, self.guard.policy)
+        if problem is None:
+            return self._register_unchecked(peer_index, part_index, part)
+        reducer = self.ordered_peer_ids[peer_index].to_base58()
+        self.guard.reject(reducer, f"returned a bad average: {problem}")
+        self.guard.bad_results.append(reducer)
+        if problem.startswith("norm"):
+            self.guard.only_too_large.add(reducer)
+        container.register_failed_reducer(peer_index)  # its parts count as lost: the round fails on our side
+        raise AllreduceException(f"reducer {reducer} returned a bad average: {problem}")
+
+
+class RoundGuard:
+    """One all-reduce's weight limits (peer id -> tokens) and what it rejected (peer id -> first reason)."""
+
+    def __init__(self, policy: RobustPolicy, allowed: dict[str, float]):
+        self.policy, self.allowed = policy, allowed
+        self.rejected: dict[str, str] = {}
+        self.bad_results: list[str] = []  # reducers whose averages we refused
+        self.only_too_large: set[str] = set()  # ... of which the averages were finite and well-formed, only too large
+
+    def reject(self, peer: str, reason: str) -> None:
+        if peer not in self.rejected:
+            logger.warning("rejected %s: %s", peer, reason)
+            self.rejected[peer] = reason
+
+
+class GuardedAverager(DilocoAverager):
+    """DilocoAverager with ``GuardedAllReduceRunner`` and membership checks; see the module docstring.
+
+    ``membership``: an object with ``async refusal(peer_id, what) -> str | None`` (None: admitted), or None for an
+    open run. ``policy``: the robust thresholds.
+    """
+
+    def __init__(self, *args: Any, membership: Any = None, policy: RobustPolicy | None = None, **kwargs: Any):
+        self.membership, self.policy = membership, policy or RobustPolicy()
+        self._allowed: dict[str, float] = {}
+        self._banned: set[str] = set()  # reducers that returned a bad average: never grouped with again (this process)
+        # rounds in which each reducer returned a bad average: a peer that caught up a moment ago sends a tiny
+        # outer gradient, and an honest average can then look 100x too large to it once; a garbage reducer does
+        # it every round. So a reducer is banned at its second bad round (at once for a non-finite or misshapen one)
+        self._strikes: dict[str, int] = {}
+        self._rejections = mp.SimpleQueue()  # child -> parent: one list of (peer, reason) per all-reduce
+        kwargs.setdefault("runner_class", GuardedAllReduceRunner)
+        super().__init__(*args, **kwargs)
+
+    def set_allowed_weights(self, allowed: dict[str, float]) -> None:
+        """Weight limits (peer id -> tokens its progress supports) for the next all-reduce."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_allowed_weights", [], dict(allowed=dict(allowed), future=future)))
+        future.result(timeout=30)
+
+    async def _set_allowed_weights(self, allowed: dict[str, float], future: MPFuture) -> None:
+        self._allowed = allowed
+        future.set_result(None)
+
+    def take_rejections(self) -> list[tuple[str, str]]:
+        """Rejections of the all-reduces since the last call (oldest first), as (peer id, reason)."""
+        found: list[tuple[str, str]] = []
+        while not self._rejections.empty():
+            found.extend(self._rejections.get())
+        return found
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, group_id=None, **kwargs):
+        guard = RoundGuard(self.policy, dict(self._allowed))
+        try:
+            await super()._run_allreduce_inplace_(tensors, group_info, group_id, guard=guard, **kwargs)
+        except PartialRoundError as e:
+            if not guard.bad_results:
+                raise
+            raise PartialRoundError(f"{e}; refused the averages of {', '.join(guard.bad_results)}") from None
+        finally:
+            self._rejections.put(sorted(guard.rejected.items()))
+            for reducer in guard.bad_results:
+                self._strikes[reducer] = self._strikes.get(reducer, 0) + (1 if reducer in guard.only_too_large else 2)
+                if self._strikes[reducer] >= 2 and reducer not in self._banned:
+                    logger.warning("banning %s from our averaging groups: returned bad averages", reducer)
+                    self._banned.add(reducer)
+
+    async def _set_round(self, group_bits: str, target: int | None, future: MPFuture) -> None:
+        self._skip_banned_leaders()
+        await super()._set_round(group_bits, target, future)
+
+    def _skip_banned_leaders(self) -> None:
+        """Never ask a banned peer to lead our group (hivemind's follower side; its redirects go through here too).
+        Banned peers asking to join our group are refused in ``rpc_join_group``."""
+        matchmaking = self._matchmaking
+        if getattr(matchmaking, "_skips_banned", False):
+            return
+        request_join_group = matchmaking._request_join_group
+
+        async def unless_banned(leader: PeerID) -> Any:
+            return None if leader.to_base58() in self._banned else await request_join_group(leader)
+
+        matchmaking._request_join_group = unless_banned
+        matchmaking._skips_banned = True
+
+    async def _refused(self, peer: PeerID, what: str) -> bool:
+        if peer.to_base58() in self._banned:
+            return True
+        if self.membership is None:
+            return False
+        reason = await self.membership.refusal(peer, what)
+        return reason is not None
+
+    # hivemind builds its RPC table from these annotations
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if await self._refused(context.remote_id, "join an averaging group"):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if await self._refused(context.remote_id, "send parts"):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if await self._refused(context.remote_id, "download the state"):
+            return  # nothing: the asker moves on to the next donor
+        async for message in super().rpc_download_state(request, context):
+            yield message

@@ -1,0 +1,92 @@
+"""Checks of a peer's local inputs that need the file system or the machine, run once at start-up before
+anything is loaded or started: the identity key file, the checkpoint folder, the metrics file, and whether the
+model fits in memory at all. Each failure is a ValueError with a one-line reason that says how to fix it.
+
+The config's values are checked by config.py, the corpus by data.py (which reads it anyway), checkpoint files
+by checkpoint.py when they are loaded. This module reads but never changes anything on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from p2p_diloco import checkpoint
+from p2p_diloco.config import ModelConfig, PeerConfig
+
+_MAX_IDENTITY_BYTES = 1 << 16  # a libp2p RSA private key is about 1.2 KB
+_BYTES_PER_PARAM = 24  # at least: fp32 param, grad, AdamW m and v, global params and outer momentum
+
+
+def check_local_inputs(config: PeerConfig) -> None:
+    """All the checks below that apply to ``config``; raises ValueError at the first problem."""
+    if config.swarm.identity_path:
+        check_identity_file(Path(config.swarm.identity_path))
+    if config.run.checkpoint_dir:
+        checkpoint.check_folder(config.run.checkpoint_dir, config.run.resume)
+    if config.run.metrics_file:
+        _check_output_file(Path(config.run.metrics_file), "metrics file")
+    check_memory(config.model, config.inner.batch_size, config.run.eval_batches)
+
+
+def check_identity_file(path: Path) -> None:
+    """An identity file that exists must be a regular file that only its owner can read, holding a libp2p
+    private key (what hivemind writes, mode 0400); a missing one is created by hivemind, so its folder must exist.
+    Otherwise p2pd fails after the model is built, with a message about protobuf wire formats."""
+    if not path.exists() and not path.is_symlink():
+        if not path.parent.is_dir():
+            raise ValueError(f"identity file {path} cannot be created: {path.parent} is not a folder")
+        return
+    if not path.is_file():
+        raise ValueError(f"identity file {path} is not a regular file")
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"identity file {path} holds this peer's private key but other users may read it "
+                         f"(mode {stat.S_IMODE(mode):o}): run chmod 600 {path}")
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(_MAX_IDENTITY_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read identity file {path}: {e.strerror or e}") from None
+    from hivemind.p2p import PeerID  # the parser hivemind itself uses on this file
+
+    try:
+        PeerID.from_identity(data)
+    except Exception:
+        raise ValueError(f"identity file {path} does not hold a libp2p private key "
+                         "(remove it, or pass another --identity, to have a new one made)") from None
+
+
+def _check_output_file(path: Path, what: str) -> None:
+    """An output file appended to must be a regular file if it exists: a named pipe would block the open."""
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{what} {path} exists and is not a regular file")
+
+
+def training_bytes(model: ModelConfig, batch_size: int, eval_batches: int) -> int:
+    """A lower estimate of the memory one peer needs to train ``model`` (bytes): what it cannot do without, so
+    that only a config that surely cannot fit is refused. Parameters of the GPT in model.py: embeddings
+    (vocab + positions) x width, and per block 12 d^2 + 13 d."""
+    d, layers, seq, vocab = model.d_model, model.n_layers, model.seq_len, model.vocab_size
+    params = (vocab + seq) * d + layers * (12 * d * d + 13 * d) + 2 * d
+    # saved for backward, fp32: at least 8 activations of width d per token and block, and the logits twice
+    activations = 4 * batch_size * seq * (8 * d * layers + 2 * vocab)
+    eval_data = 16 * eval_batches * batch_size * seq  # held-out batches kept as int64 inputs and targets
+    return _BYTES_PER_PARAM * params + activations + eval_data
+
+
+def check_memory(model: ModelConfig, batch_size: int, eval_batches: int) -> None:
+    """Refuse a model that cannot fit in this machine's physical memory, before it is built: building it would
+    otherwise end in the kernel's OOM killer (no message at all) or minutes of swapping."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that says: no check
+        return
+    needed = training_bytes(model, batch_size, eval_batches)
+    if needed > physical:
+        raise ValueError(
+            f"the model (n_layers={model.n_layers}, d_model={model.d_model}, seq_len={model.seq_len}, "
+            f"vocab_size={model.vocab_size}) at batch size {batch_size} needs at least {needed / 2**30:,.0f} GiB "
+            f"to train, more than this machine's {physical / 2**30:,.0f} GiB: choose a smaller model or batch"
+        )

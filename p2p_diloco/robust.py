@@ -1,0 +1,176 @@
+"""Robust averaging of one all-reduce part: what a reducer accepts from its senders, and what a sender accepts
+back from a reducer (DESIGN.md §3, invariant 5: garbage in never spreads).
+
+A reducer averages one part of the outer gradient for its whole group. hivemind adds whatever arrives, with
+whatever weight the sender declares: one NaN sender turns every result into NaN, a weight of 1e6 takes the
+average over. Here every received part is checked before it counts:
+
+- *form*: the part has the expected shape and dtype (float32) and only finite values;
+- *weight*: finite and >= 0, and clamped to what the sender's published progress supports (``allowed``), and,
+  in a group of three or more, to ``max_weight_ratio`` times the median weight;
+- *size*: its L2 norm per unit of weight (tokens) is at most ``max_norm_ratio`` times the (lower) median of the
+  senders' for that part (a small part can do no more harm than its clamped weight allows).
+
+A sender that fails the form or size check is left out of that part's average; the result is the weighted mean
+of the accepted senders, summed in sender order. Each part has exactly one reducer, which encodes its result once
+for everyone (averaging.py), so every honest peer still gets the same bytes (invariant 1). With no acceptable
+sender a part averages to zeros: a zero step for those values, the same on every peer.
+
+This module is pure torch: it does not know hivemind or who the senders are, only their index in the group.
+It does not detect a reducer that returns a plausible but wrong average (that would need two reducers per part).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RobustPolicy:
+    """Thresholds of the checks above (ratios are dimensionless)."""
+
+    max_norm_ratio: float = 100.0  # a part's norm per token may be at most this times the senders' median (honest
+    # peers differed up to ~30x per token in one group: catch-ups and token counts do not move together exactly)
+    max_weight_ratio: float = 10.0  # with >= 3 senders, a weight may be at most this times the median weight
+    weight_margin: float = 1.5  # a declared weight may exceed the tokens a sender published by this factor
+    result_norm_ratio: float = 100.0  # an averaged part may be at most this times the norm of the part we sent
+
+    def __post_init__(self) -> None:
+        for name in ("max_norm_ratio", "max_weight_ratio", "weight_margin", "result_norm_ratio"):
+            if not getattr(self, name) >= 1.0:
+                raise ValueError(f"RobustPolicy.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def part_problem(part: torch.Tensor, shape: torch.Size) -> str | None:
+    """Why a received part cannot be averaged (wrong shape, dtype or non-finite values), or None if it can."""
+    if not isinstance(part, torch.Tensor):
+        return f"not a tensor ({type(part).__name__})"
+    if part.shape != shape:
+        return f"shape {tuple(part.shape)} instead of {tuple(shape)}"
+    if part.dtype != torch.float32:
+        return f"dtype {part.dtype} instead of float32"
+    if not bool(torch.isfinite(part).all()):
+        return "non-finite values"
+    return None
+
+
+def clamp_weights(declared: list[float], allowed: list[float | None], policy: RobustPolicy) -> tuple[list[float], dict[int, str]]:
+    """Weights the reducer will use, and a note per sender whose weight was rejected (NaN, < 0) or clamped.
+
+    ``allowed[i]``: tokens sender i's published progress supports (None: nothing published, no clamp). Progress
+    records are a period or two old, so the limit is never below the group's (lower) median declared weight: an
+    honest peer whose last record lags is not cut below its groupmates. A rejected weight comes back as NaN; the
+    caller leaves that sender out.
+    """
+    valid = sorted(w for w in declared if isinstance(w, int | float) and math.isfinite(w) and w >= 0)
+    median = valid[(len(valid) - 1) // 2] if valid else 0.0
+    weights, notes = [], {}
+    for index, (weight, limit) in enumerate(zip(declared, allowed, strict=True)):
+        if not (isinstance(weight, int | float) and math.isfinite(weight) and weight >= 0):
+            weights.append(math.nan)
+            notes[index] = f"weight {weight!r} rejected"
+            continue
+        if limit is not None and weight > max(policy.weight_margin * limit, median):
+            limit = max(policy.weight_margin * limit, median)
+            notes[index] = f"weight {weight:.4g} clamped to {limit:.4g} (published progress)"
+            weight = limit
+        weights.append(float(weight))
+    valid = sorted(w for w in weights if not math.isnan(w))
+    if len(valid) >= 3:
+        cap = policy.max_weight_ratio * valid[(len(valid) - 1) // 2]
+        for index, weight in enumerate(weights):
+            if weight > cap:
+                notes[index] = f"weight {weight:.4g} clamped to {cap:.4g} ({policy.max_weight_ratio:g}x the median)"
+                weights[index] = cap
+    return weights, notes
+
+
+def robust_average(
+    parts: list[torch.Tensor],
+    declared_weights: list[float],
+    allowed_weights: list[float | None],
+    shape: torch.Size,
+    policy: RobustPolicy,
+) -> tuple[torch.Tensor, dict[int, str]]:
+    """The weighted mean of the acceptable parts (float32, ``shape``) and, per sender index, why it was rejected
+    or its weight clamped. Deterministic: the same inputs in the same order give the same bytes."""
+    weights, notes = clamp_weights(declared_weights, allowed_weights, policy)
+    rejected: dict[int, str] = {i: note for i, note in notes.items() if math.isnan(weights[i])}
+    candidates = []
+    for index, part in enumerate(parts):
+        problem = None if index in rejected else part_problem(part, shape)
+        if problem is not None:
+            rejected[index] = problem
+        elif index not in rejected:
+            candidates.append(index)
+    # size per token: an honest outer gradient's norm grows with the tokens behind it (a peer that caught up a
+    # moment ago sends a tiny one, a fast peer a large one: raw norms of honest senders differed 10-40x in one
+    # group), so the norm per unit of (clamped) weight is what is compared; only the large side is rejected,
+    # since a small part can do no more than its weight allows
+    sizes = {i: float(parts[i].norm()) / weights[i] if weights[i] > 0 else 0.0 for i in candidates}
+    if len(candidates) >= 2:
+        ordered = sorted(sizes.values())
+        median = ordered[(len(ordered) - 1) // 2]  # the lower median: with 2 senders, the smaller one
+        for index in list(candidates):
+            if median > 0 and sizes[index] > policy.max_norm_ratio * median:
+                rejected[index] = (
+                    f"norm per token {sizes[index]:.3g} > {policy.max_norm_ratio:g}x the median {median:.3g}"
+                )
+                candidates.remove(index)
+    result = torch.zeros(shape, dtype=torch.float32)
+    total = sum(weights[i] for i in candidates)
+    for index in candidates:  # sender order: a fixed summation order, the same bytes every time
+        share = weights[index] / total if total > 0 else 1.0 / len(candidates)
+        result.add_(parts[index], alpha=share)
+    for index, note in notes.items():
+        rejected.setdefault(index, note)  # a clamped weight is reported too (the sender still counts)
+    return result, rejected
+
+
+def result_problem(result: torch.Tensor, sent: torch.Tensor, policy: RobustPolicy) -> str | None:
+    """Why an averaged part returned by a reducer must not be applied, or None if it may.
+
+    The average of accepted parts is at most ``max_norm_ratio`` times the median sender's norm, so a result far
+    larger than what we sent (``result_norm_ratio``) is garbage; so is a wrong shape or a non-finite value.
+    """
+    problem = part_problem(result, sent.shape)
+    if problem is not None:
+        return problem
+    sent_norm, result_norm = float(sent.norm()), float(result.norm())
+    if sent_norm > 0 and result_norm > policy.result_norm_ratio * sent_norm:
+        return f"norm {result_norm:.3g} > {policy.result_norm_ratio:g}x the norm we sent ({sent_norm:.3g})"
+    return None
+
+
+class TokenLedger:
+    """The most tokens each peer has published for each round (from its progress records), to bound the weight it
+    may declare in that round's averaging. Round r's tokens are those behind the averaging of outer step r."""
+
+    def __init__(self, keep_rounds: int = 64):
+        self._seen: dict[str, dict[int, int]] = {}
+        self._keep_rounds = keep_rounds
+        self._lock = threading.Lock()  # observed from the progress thread, read from the averaging thread
+
+    def observe(self, peer: str, round_index: object, tokens: int) -> None:
+        if not (isinstance(round_index, int) and round_index >= 0):
+            return
+        with self._lock:
+            rounds = self._seen.setdefault(peer, {})
+            rounds[round_index] = max(rounds.get(round_index, 0), int(tokens))
+            for old in sorted(rounds)[: -self._keep_rounds]:
+                del rounds[old]
+
+    def allowed(self, outer_step: int, rounds: int = 1) -> dict[str, float]:
+        """Per peer seen in rounds ``outer_step - rounds + 1 .. outer_step``: the tokens it published for them
+        (with streaming fragments a fragment's outer gradient holds ``rounds`` rounds of progress)."""
+        window = range(outer_step - rounds + 1, outer_step + 1)
+        with self._lock:
+            return {
+                peer: float(sum(seen.get(r, 0) for r in window))
+                for peer, seen in self._seen.items()
+                if any(r in seen for r in window)
+            }

@@ -1,0 +1,171 @@
+"""What a reducer accepts from its senders and a sender from its reducer (robust.py), and the reducer built on it."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+from hivemind.dht.validation import DHTRecord
+
+from p2p_diloco.guarded import RobustPartReducer
+from p2p_diloco.membership import MemberRecordValidator, load_swarm_key
+from p2p_diloco.robust import RobustPolicy, TokenLedger, clamp_weights, part_problem, result_problem, robust_average
+
+POLICY = RobustPolicy()
+SHAPE = torch.Size([512])
+
+
+def _parts(count: int, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(SHAPE, generator=generator) for _ in range(count)]
+
+
+@pytest.mark.parametrize(
+    ("part", "expected"),
+    [
+        (torch.zeros(512), None),
+        (torch.zeros(511), "shape"),
+        (torch.zeros(2, 256), "shape"),
+        (torch.zeros(512, dtype=torch.float64), "dtype"),
+        (torch.zeros(512, dtype=torch.int32), "dtype"),
+        (torch.tensor([0.0] * 511 + [math.nan]), "non-finite"),
+        (torch.tensor([0.0] * 511 + [math.inf]), "non-finite"),
+        ("not a tensor", "not a tensor"),
+    ],
+)
+def test_part_problem_names_the_defect(part, expected):
+    problem = part_problem(part, SHAPE)
+    assert (problem is None) if expected is None else (expected in problem)
+
+
+def test_honest_parts_give_the_exact_weighted_mean_and_no_notes():
+    parts, weights = _parts(3), [1000.0, 2000.0, 3000.0]
+    result, notes = robust_average(parts, weights, [None] * 3, SHAPE, POLICY)
+    expected = sum(w * p for w, p in zip(weights, parts)) / sum(weights)
+    torch.testing.assert_close(result, expected)
+    assert notes == {}
+    again, _ = robust_average(parts, weights, [None] * 3, SHAPE, POLICY)
+    assert torch.equal(result, again)  # deterministic: same bytes every time
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (lambda p: torch.full_like(p, math.nan), "non-finite"),
+        (lambda p: p * 1e4, "median"),
+        (lambda p: p[:100].clone(), "shape"),
+        (lambda p: p.double(), "dtype"),
+    ],
+)
+def test_a_bad_sender_is_left_out_of_the_average(bad, reason):
+    parts = _parts(3)
+    honest = robust_average(parts[:2], [1.0, 1.0], [None] * 2, SHAPE, POLICY)[0]
+    result, notes = robust_average([parts[0], bad(parts[2]), parts[1]], [1.0, 1.0, 1.0], [None] * 3, SHAPE, POLICY)
+    assert set(notes) == {1} and reason in notes[1]
+    torch.testing.assert_close(result, honest)
+    assert torch.isfinite(result).all()
+
+
+def test_honest_parts_of_unequal_progress_are_all_kept():
+    # a peer that caught up a moment ago sends a part 40x smaller than a fast peer's, with 40x less weight:
+    # per token they are alike, and neither is rejected (raw norms would have rejected one of them)
+    small, large = _parts(2)
+    parts, weights = [small * 0.025, large], [100.0, 4000.0]
+    result, notes = robust_average(parts, weights, [None, None], SHAPE, POLICY)
+    assert notes == {}
+    torch.testing.assert_close(result, (100 * parts[0] + 4000 * parts[1]) / 4100)
+
+
+def test_a_part_large_for_its_weight_is_rejected_even_in_a_pair():
+    honest, scaled = _parts(2)
+    result, notes = robust_average([honest, scaled * 1e4], [1000.0, 1000.0], [None, None], SHAPE, POLICY)
+    assert set(notes) == {1} and "per token" in notes[1]
+    torch.testing.assert_close(result, honest)
+
+
+def test_declared_weights_are_clamped_to_published_progress_and_to_the_median():
+    weights, notes = clamp_weights([1000.0, 1e9, 1200.0], [1000.0, 1100.0, None], POLICY)
+    assert weights == [1000.0, POLICY.weight_margin * 1100.0, 1200.0] and set(notes) == {1}
+    weights, notes = clamp_weights([1000.0, 1e9, 1200.0, 900.0], [None] * 4, POLICY)  # nothing published: median cap
+    assert weights[1] == POLICY.max_weight_ratio * 1000.0 and set(notes) == {1}
+    weights, notes = clamp_weights([1000.0, 1e9], [0.0, 0.0], POLICY)  # records lag: never below the median
+    assert weights == [1000.0, 1000.0] and set(notes) == {1}
+    weights, notes = clamp_weights([math.nan, -1.0, math.inf, 5.0], [None] * 4, POLICY)
+    assert all(math.isnan(w) for w in weights[:3]) and weights[3] == 5.0 and set(notes) == {0, 1, 2}
+
+
+def test_an_inflated_weight_cannot_take_over_the_average():
+    parts = _parts(3)
+    result, notes = robust_average(parts, [1000.0, 1e9, 1000.0], [1000.0, 1000.0, 1000.0], SHAPE, POLICY)
+    share = POLICY.weight_margin * 1000.0 / (2000.0 + POLICY.weight_margin * 1000.0)
+    torch.testing.assert_close(result, (parts[0] + parts[2]) * (1 - share) / 2 + parts[1] * share)
+    assert "clamped" in notes[1]
+
+
+def test_no_acceptable_sender_averages_to_zeros():
+    nan = torch.full(SHAPE, math.nan)
+    result, notes = robust_average([nan, nan], [1.0, 1.0], [None, None], SHAPE, POLICY)
+    assert torch.equal(result, torch.zeros(SHAPE)) and set(notes) == {0, 1}
+
+
+def test_a_result_far_from_what_we_sent_is_refused():
+    sent = _parts(1)[0]
+    assert result_problem(sent * 0.5, sent, POLICY) is None
+    assert "norm" in result_problem(sent * 1e4, sent, POLICY)
+    assert "non-finite" in result_problem(torch.full_like(sent, math.nan), sent, POLICY)
+    assert "shape" in result_problem(sent[:10], sent, POLICY)
+
+
+def test_robust_reducer_keeps_hivemind_part_order_and_reports_rejections():
+    parts = [_parts(3, seed=k) for k in range(2)]  # two parts, three senders
+    reports: list[tuple[int, str]] = []
+
+    async def run() -> list[torch.Tensor]:
+        reducer = RobustPartReducer([SHAPE, SHAPE], 3, POLICY, [None, None, None], lambda s, r: reports.append((s, r)))
+        sender_parts = [[parts[k][s] for k in range(2)] for s in range(3)]
+        sender_parts[2][1] = sender_parts[2][1] * 1e4  # sender 2 misbehaves on part 1 only
+
+        async def send(sender: int) -> list[torch.Tensor]:
+            return [await reducer.accumulate_part(sender, k, sender_parts[sender][k], weight=1.0) for k in range(2)]
+
+        results = await asyncio.gather(*(send(s) for s in (2, 0, 1)))  # arrival order must not matter
+        assert all(torch.equal(r[k], results[0][k]) for r in results for k in range(2))
+        return results[0]
+
+    averaged = asyncio.run(run())
+    torch.testing.assert_close(averaged[0], sum(parts[0]) / 3)
+    torch.testing.assert_close(averaged[1], (parts[1][0] + parts[1][1]) / 2)
+    assert [s for s, _ in reports] == [2] and "median" in reports[0][1]
+
+
+def test_token_ledger_keeps_the_most_each_peer_published_per_round():
+    ledger = TokenLedger()
+    for peer, round_index, tokens in [("a", 3, 100), ("a", 3, 400), ("a", 4, 50), ("b", 2, 900), ("a", "x", 5)]:
+        ledger.observe(peer, round_index, tokens)
+    assert ledger.allowed(3) == {"a": 400.0}
+    assert ledger.allowed(4, rounds=2) == {"a": 450.0}
+    assert ledger.allowed(3, rounds=2) == {"a": 400.0, "b": 900.0}
+
+
+def test_member_records_are_tagged_and_anything_else_is_refused(tmp_path):
+    key_file = tmp_path / "swarm.key"
+    key_file.write_text("a secret of more than sixteen bytes\n")
+    validator = MemberRecordValidator(load_swarm_key(key_file))
+    record = DHTRecord(b"key", b"subkey", b"value", 1234.5)
+    signed = DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
+    assert validator.validate(signed) and validator.strip_value(signed) == b"value"
+    assert not validator.validate(record)  # untagged: a non-member's record
+    for field, value in [("value", b"other" + signed.value[5:]), ("subkey", b"other"), ("expiration_time", 1e9)]:
+        forged = DHTRecord(**{**signed.__dict__, field: value})
+        assert not validator.validate(forged), field
+    other = tmp_path / "other.key"
+    other.write_text("another secret, also long enough")
+    assert not MemberRecordValidator(load_swarm_key(other)).validate(signed)
+    short = tmp_path / "short.key"
+    short.write_text("short")
+    with pytest.raises(ValueError, match="at least 16"):
+        load_swarm_key(short)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_swarm_key(tmp_path / "missing.key")
