@@ -31,7 +31,7 @@ from typing import Any
 
 from p2p_diloco import checkpoint
 from p2p_diloco.launcher import PeerProcess, start_peer, wait_for_address
-from p2p_diloco.report import check_invariant_1, read_metrics
+from p2p_diloco.report import check_invariant_1, read_metrics, split_lives
 
 
 @dataclass
@@ -174,16 +174,6 @@ def run_swarm(
     )
 
 
-def _lives(records: list[dict]) -> list[list[dict]]:
-    """One list of records per process lifetime: each start writes an ``init`` record first."""
-    lives: list[list[dict]] = []
-    for record in records:
-        if record.get("status") == "init" or not lives:
-            lives.append([])
-        lives[-1].append(record)
-    return lives
-
-
 def _final_eval(records_by_peer: dict[str, list[dict]]) -> float | None:
     evaluated = [r for records in records_by_peer.values() for r in records if r.get("eval_loss") is not None]
     if not evaluated:
@@ -226,7 +216,7 @@ def analyse(run: dict[str, Any], averaging_timeout_s: float) -> dict[str, Any]:
     longest_stall: dict[str, float] = {}
     for name, peer_records in records.items():
         stall = 0.0
-        for life in _lives(peer_records):
+        for life in split_lives(peer_records):
             for before, after in zip(life, life[1:]):
                 start, end = before["unix_time"], after["unix_time"]
                 if any(start < w_end and end > w_start for w_start, w_end in windows[name]):
@@ -235,7 +225,7 @@ def analyse(run: dict[str, Any], averaging_timeout_s: float) -> dict[str, Any]:
                 wall += end - start
                 stall = max(stall, after.get("longest_block_s", 0.0))
         longest_stall[name] = round(stall, 2)
-    total_compute = sum(life[-1]["compute_s"] for peer_records in records.values() for life in _lives(peer_records))
+    total_compute = sum(life[-1]["compute_s"] for peer_records in records.values() for life in split_lives(peer_records))
     numbers = [
         v for peer_records in records.values() for r in peer_records for v in (r.get("loss"), r.get("eval_loss"))
         if v is not None

@@ -132,3 +132,13 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def split_lives(records: list[dict]) -> list[list[dict]]:
+    """One list of records per process lifetime: each start writes an ``init`` record first."""
+    lives: list[list[dict]] = []
+    for record in records:
+        if record.get("status") == "init" or not lives:
+            lives.append([])
+        lives[-1].append(record)
+    return lives

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from p2p_diloco.report import ROUND_STATUSES, read_metrics
+from p2p_diloco.report import ROUND_STATUSES, read_metrics, split_lives
 from p2p_diloco.sim.goodput import FaultConfig, GoodputResult, Interruption, MethodConfig, simulate
 
 
@@ -67,15 +67,6 @@ class Calibration:
 
 def _mean(values: list[float], default: float = 0.0) -> float:
     return statistics.fmean(values) if values else default
-
-
-def _lives(records: list[dict]) -> list[list[dict]]:
-    lives: list[list[dict]] = []
-    for record in records:
-        if record.get("status") == "init" or not lives:
-            lives.append([])
-        lives[-1].append(record)
-    return lives
 
 
 def _load_run(run_dir: Path, part: str) -> tuple[str, dict, dict[str, list[dict]]]:
@@ -123,7 +114,7 @@ def _intervals(records: dict[str, list[dict]],
     """(peer, kind, before, after) for consecutive records of one life outside the peer's fault windows;
     kind is "join" for a start's download (init -> caught_up), else "train"."""
     for name, peer_records in records.items():
-        for life in _lives(peer_records):
+        for life in split_lives(peer_records):
             for before, after in zip(life, life[1:]):
                 start, end = before["unix_time"], after["unix_time"]
                 if before.get("status") == "init" and after.get("status") == "caught_up":
@@ -180,7 +171,7 @@ def _accounting(run: dict, records: dict[str, list[dict]], fraction: float) -> t
     (done before the start, frozen time counted as compute, done after each peer's last record)."""
     before = frozen = tail = 0.0
     for name, peer_records in records.items():
-        for life in _lives(peer_records):
+        for life in split_lives(peer_records):
             for a, b in zip(life, life[1:]):
                 wall = b["unix_time"] - a["unix_time"]
                 done = b["compute_s"] - a["compute_s"]
@@ -199,7 +190,7 @@ def _accounting(run: dict, records: dict[str, list[dict]], fraction: float) -> t
 
 def _training_start(records: list[dict]) -> float:
     """When a peer first trained: at its start, or after its first state download if it began with one."""
-    first = _lives(records)[0]
+    first = split_lives(records)[0]
     if len(first) > 1 and first[1].get("status") == "caught_up":
         return first[1]["unix_time"]
     return first[0]["unix_time"]
@@ -228,7 +219,7 @@ def calibrate(run_dir: str | Path, part: str = "chaotic") -> Calibration:
     rejoin = _mean([after["unix_time"] - before["unix_time"] for before, after in joins])
     first_training = [_training_start(rs) for rs in records.values()]
     duration = run["ended"] - run["began"]
-    total_compute = sum(life[-1].get("compute_s", 0.0) for rs in records.values() for life in _lives(rs))
+    total_compute = sum(life[-1].get("compute_s", 0.0) for rs in records.values() for life in split_lives(rs))
     fraction = compute / wall
     before, frozen, tail = _accounting(run, records, fraction)
     return Calibration(
