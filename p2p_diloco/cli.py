@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from p2p_diloco.config import ADVERSARIES, COMPRESSIONS, PeerConfig, build_config, load_toml
+from p2p_diloco.config import ADVERSARIES, COMPRESSIONS, REACHABILITY, PeerConfig, build_config, load_toml
 
 if TYPE_CHECKING:  # torch-heavy modules load only when a process starts training, not for --help
     from p2p_diloco.data import Dataset
@@ -62,6 +62,10 @@ _FLAG_FIELDS = {
     "progress_period_s": ("swarm", "progress_period_s"),
     "swarm_key_file": ("swarm", "swarm_key_file"),
     "adversary": ("swarm", "adversary"),
+    "reachability": ("swarm", "reachability"),
+    "relay": ("swarm", "relays"),
+    "relay_service": ("swarm", "relay_service"),
+    "relay_wait_s": ("swarm", "relay_wait_s"),
 }
 
 
@@ -87,6 +91,10 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     swarm.add_argument("--state-timeout-s", type=float, default=s, help=f"seconds allowed for downloading the swarm's state (default {d.swarm.state_timeout_s})")
     swarm.add_argument("--progress-period-s", type=float, default=s, help=f"seconds between this peer's progress records in the DHT; shorter tracks round ends more closely at more background traffic (default {d.swarm.progress_period_s})")
     swarm.add_argument("--swarm-key-file", default=s, metavar="PATH", help="close the run: a file with a secret (>= 16 bytes) that every member holds; only members can store DHT records, average or download state (default: an open run)")
+    swarm.add_argument("--reachability", choices=REACHABILITY, default=s, help="how this peer takes part: direct (others can dial it), relay (behind a NAT or firewall: reachable through a relay peer), client (dial out only: sends its outer gradient and receives the average, reduces no part); auto asks an initial peer to dial back and picks the best that works (default auto)")
+    swarm.add_argument("--relay", nargs="+", default=s, metavar="MULTIADDR", help="relay peers to use when behind a NAT (default: the initial peers)")
+    swarm.add_argument("--relay-service", action=argparse.BooleanOptionalAction, default=s, help="relay for peers behind a NAT when this peer is reachable; --no-relay-service refuses (default on)")
+    swarm.add_argument("--relay-wait-s", type=float, default=s, help=f"seconds a peer behind a NAT waits for a relay reservation before falling back to client mode (default {d.swarm.relay_wait_s})")
     swarm.add_argument("--adversary", choices=ADVERSARIES, default=s, help=argparse.SUPPRESS)  # test only: adversary.py
     train = parser.add_argument_group("training")
     train.add_argument("--inner-steps", type=int, default=s, metavar="H", help=f"inner AdamW steps per peer per outer round at equal speeds; sets the default round budget (default {d.inner.inner_steps})")
@@ -130,7 +138,7 @@ def resolve_config(args: argparse.Namespace) -> PeerConfig:
             value = getattr(args, flag)
             overrides.setdefault(section, {})[field] = tuple(value) if isinstance(value, list) else value
     config = build_config(overrides)
-    for address in config.swarm.initial_peers:
+    for address in config.swarm.initial_peers + config.swarm.relays:
         check_multiaddr(address, need_peer_id=True)
     for address in config.swarm.host_maddrs + config.swarm.announce_maddrs:
         check_multiaddr(address, need_peer_id=False)
@@ -224,7 +232,11 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
         addresses = " ".join(a for a in link.visible_maddrs() if "/127." not in a) or " ".join(link.visible_maddrs())
         print(f"peer {link.peer_id} in run '{config.swarm.run_id}': {count_parameters(learner.model):,} parameters, "
               f"{dataset.total_bytes / 1e6:.1f} MB corpus", flush=True)
-        print(f"others can join with: --initial-peers {addresses.split()[0] if addresses else '?'}", flush=True)
+        print(link.reachability.line, flush=True)
+        if link.reachability.mode == "relay":  # dialled through its relay
+            addresses = " ".join(a for a in link.visible_maddrs() if "/p2p-circuit" in a) or addresses
+        if link.reachability.mode != "client":
+            print(f"others can join with: --initial-peers {addresses.split()[0] if addresses else '?'}", flush=True)
         print(f"all addresses: {' '.join(link.visible_maddrs())}", flush=True)
         learner.run(link)
     finally:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 COMPRESSIONS = ("none", "fp16", "int8", "int4")
+REACHABILITY = ("auto", "direct", "relay", "client")  # how a peer takes part; see p2p_diloco/reachability.py
 # test-only misbehaviours of a peer (scripts/attack.py, tests/integration/test_robust.py); "" = honest
 ADVERSARIES = ("", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor")
 
@@ -134,6 +135,10 @@ class SwarmConfig:
     progress_ttl_s: float = 20.0  # a peer whose progress record is older than this counts as gone
     startup_timeout_s: float = 60.0  # bound on joining the DHT at start
     swarm_key_file: str | None = None  # secret shared by the members of a closed run; None = an open run
+    reachability: str = "auto"  # auto (ask a peer to dial back), direct, relay (behind NAT) or client (dial out only)
+    relays: tuple[str, ...] = ()  # relay peers for a peer behind NAT; empty = the initial peers
+    relay_service: bool = True  # relay for peers behind NAT when this peer is reachable (bounded by p2pd's limits)
+    relay_wait_s: float = 20.0  # how long a peer behind NAT waits for a relay reservation before client mode
     adversary: str = ""  # TEST ONLY: make this peer misbehave (one of ADVERSARIES; see p2p_diloco/adversary.py)
 
     def __post_init__(self) -> None:
@@ -163,6 +168,11 @@ class SwarmConfig:
             self.progress_ttl_s >= 3 * self.progress_period_s,
             "swarm.progress_ttl_s must be at least 3x swarm.progress_period_s",
         )
+        _require(
+            self.reachability in REACHABILITY,
+            f"swarm.reachability must be one of {', '.join(REACHABILITY)}, got {_show(self.reachability)}",
+        )
+        _require(self.relay_wait_s > 0, f"swarm.relay_wait_s must be > 0 seconds, got {self.relay_wait_s}")
         _require(
             self.adversary in ADVERSARIES,
             f"swarm.adversary must be one of {', '.join(repr(a) for a in ADVERSARIES)}, got {self.adversary!r}",

@@ -367,6 +367,9 @@ def wan_main(argv: list[str] | None = None, prog: str = "wan.py") -> int:
     parser.add_argument("--out", default="runs/wan", help="folder for metrics, logs, report.json and report.png")
     parser.add_argument("--bandwidth-mbit", type=float, nargs="+", default=[20.0], metavar="MBIT",
                         help="cap of each peer's link, each way: one value for all peers, or one per peer (default 20)")
+    parser.add_argument("--nat", type=int, nargs="+", default=[], metavar="PEER",
+                        help="put these peers (numbered from 0) each behind its own home router: private address, "
+                        "outgoing connections masqueraded, incoming ones dropped")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"name prefix of the namespaces and links (default {DEFAULT_PREFIX})")
     parser.add_argument("--cleanup", action="store_true", help="only remove an emulated network a crashed run left behind, then exit")
     parser.add_argument("--config", metavar="FILE", help="TOML config passed to every peer")
@@ -379,13 +382,13 @@ def wan_main(argv: list[str] | None = None, prog: str = "wan.py") -> int:
     caps = args.bandwidth_mbit if len(args.bandwidth_mbit) > 1 else args.bandwidth_mbit[0]
     try:
         resolve_config(args)
-        wan = Wan(args.peers, caps, prefix=args.prefix)
+        wan = Wan(args.peers, caps, prefix=args.prefix, nat=args.nat)
     except ValueError as e:
         return _fail(prog, str(e))
-    reason = unavailable_reason()
+    reason = unavailable_reason(nat=bool(args.nat))
     if reason:
         return _fail(prog, reason)
-    peer_args = _peer_args(argv or [], _SWARM_FLAGS | {"--bandwidth-mbit", "--prefix", "--cleanup"})
+    peer_args = _peer_args(argv or [], _SWARM_FLAGS | {"--bandwidth-mbit", "--prefix", "--cleanup", "--nat"})
     if not any(a.startswith("--max-time-s") or a.startswith("--max-outer-steps") for a in peer_args):
         peer_args += ["--max-time-s", "180"]
     args.late_peers = 0
@@ -393,7 +396,8 @@ def wan_main(argv: list[str] | None = None, prog: str = "wan.py") -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         with wan:
-            print(f"emulated network up: {args.peers} namespaces, caps {caps} Mbit/s each way", flush=True)
+            behind = f", peers {args.nat} behind their own NAT" if args.nat else ""
+            print(f"emulated network up: {args.peers} namespaces, caps {caps} Mbit/s each way{behind}", flush=True)
             return _run(args, peer_args, out_dir, prog, wan=wan)
     except WanError as e:
         return _fail(prog, str(e))

@@ -28,71 +28,14 @@ from p2p_diloco.averaging import WireCodec, part_values_for, run_averaging
 from p2p_diloco.compression import ErrorFeedback, make_codec
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.guarded import GuardedAllReduceRunner, GuardedAverager
+from p2p_diloco.joining import SwarmStartError, first_line, join_swarm, start_dht  # noqa: F401 (re-exported)
 from p2p_diloco.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
 from p2p_diloco.membership import MemberCheck, MemberRecordValidator, load_swarm_key
 from p2p_diloco.outer import params_sha256
 from p2p_diloco.robust import TokenLedger
 
 logger = logging.getLogger(__name__)
-_BOOTSTRAP_ATTEMPTS = 3
 _DHT_TIMEOUT_S = 10.0
-
-
-class SwarmStartError(RuntimeError):
-    """The peer could not join or start the swarm (bad address, unreachable peers, identity in use)."""
-
-
-class _PeerDHT(DHT):
-    """hivemind's DHT process, which leaves SIGTERM to its peer (see DilocoAverager.run): a SIGTERM sent to
-    the whole process group must not take the DHT away from a peer that is saving and leaving."""
-
-    def run(self) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        super().run()
-
-
-def start_dht(config: SwarmConfig, record_validators: Sequence[Any] = ()) -> DHT:
-    """Start this peer's DHT (and its ``p2pd``); raise SwarmStartError with a one-line reason."""
-    kwargs = dict(
-        record_validators=list(record_validators),
-        initial_peers=list(config.initial_peers),
-        host_maddrs=list(config.host_maddrs),
-        start=True,
-        await_ready=False,
-        # every record we read we read again each progress period, so hivemind's extra copies are pure traffic:
-        # no pushing what we found to the nearest node (cache_nearest), no re-reading before expiry
-        cache_nearest=0,
-        cache_refresh_before_expiry=0,
-    )
-    if config.announce_maddrs:
-        kwargs["announce_maddrs"] = list(config.announce_maddrs)
-    if config.identity_path:
-        kwargs["identity_path"] = config.identity_path
-    previous_sigint = signal.getsignal(signal.SIGINT)
-    try:
-        # a busy bootstrap peer can miss p2pd's short dial window: retry a few times, then give up with the reason
-        for attempt in range(_BOOTSTRAP_ATTEMPTS):
-            dht = None
-            try:
-                dht = _PeerDHT(**kwargs)
-                dht.wait_until_ready(timeout=config.startup_timeout_s)
-                return dht
-            except Exception as e:
-                if dht is not None and dht.is_alive():
-                    dht.shutdown()
-                reason = _first_line(e) or f"DHT did not start within {config.startup_timeout_s} s"
-                if "bootstrap" not in reason or attempt == _BOOTSTRAP_ATTEMPTS - 1:
-                    raise SwarmStartError(reason) from None
-                logger.warning("could not reach the initial peers (attempt %d): retrying", attempt + 1)
-                time.sleep(1.0 + 2 * attempt)
-    finally:
-        signal.signal(signal.SIGINT, previous_sigint)  # hivemind ignores SIGINT in the caller (DESIGN.md §6)
-    raise AssertionError("unreachable")
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[-1].strip() if text else type(error).__name__
 
 
 class ProgressBeacon:
@@ -156,7 +99,8 @@ class SwarmLink:
             swarm_key = load_swarm_key(config.swarm_key_file) if config.swarm_key_file else None
         except ValueError as e:
             raise SwarmStartError(str(e)) from None
-        self.dht = start_dht(config, [MemberRecordValidator(swarm_key)] if swarm_key else [])
+        self.dht, self.reachability = join_swarm(config, [MemberRecordValidator(swarm_key)] if swarm_key else [])
+        client = self.reachability.mode == "client"
         self.peer_id = self.dht.peer_id.to_base58()
         self._progress_key = f"{config.run_id}.progress"
         self._fragments, self._ledger = fragments, TokenLedger()
@@ -184,13 +128,16 @@ class SwarmLink:
                 request_timeout=min(1.0, config.matchmaking_time_s / 2),
                 next_chunk_timeout=config.chunk_timeout_s,
                 allreduce_timeout=config.averaging_timeout_s,
-                allow_state_sharing=True,
+                client_mode=client,  # reduces no part; hivemind leaves its share to the others
+                allow_state_sharing=not client,
                 declare_state_period=config.progress_period_s * 2,
                 shutdown_timeout=5,
             )
             self._beacon = ProgressBeacon(
                 self.dht, self._progress_key, config.progress_period_s, config.progress_ttl_s, self._read_progress
             )
+            if client:
+                self._beacon.update(client=True)  # others know this peer can't reduce: see average()
         except BaseException:
             self.close()
             raise
@@ -213,6 +160,8 @@ class SwarmLink:
     def refresh_donor_priority(self, outer_step: int, global_sha256: str) -> None:
         """Donors are tried highest priority first: the furthest outer step, then the swarm's canonical bytes."""
         assert self._averager is not None
+        if self.reachability.mode == "client":
+            return  # a client serves no state
         canonical = self.canonical_sha(outer_step, global_sha256) == global_sha256
         self._averager.state_sharing_priority = float(outer_step) + (0.5 if canonical else 0.0)
 
@@ -269,7 +218,11 @@ class SwarmLink:
             feedback = self._error_feedback[outer_step % len(self._error_feedback)]
             tensors, residual = feedback.prepare(list(tensors))
         live = self._read_progress()
-        if live:
+        if live and self.reachability.mode == "client" and all(r.get("client") for r in live.values()):
+            # a client can only send to reducers: among clients alone no group can form, and each averaging
+            # alone would fork the swarm. The progress stays local and flows into a later round
+            outcome = AveragingOutcome(None, (), 0.0, "no_group", "only peers in client mode are alive: none can reduce")
+        elif live:
             outcome = self._average_with(live, tensors, weight, outer_step)
         elif self._beacon is not None and self._beacon.peers:
             # the DHT answered "nobody" while the beacon's last view had peers: a DHT that is reconnecting (after a
@@ -308,8 +261,10 @@ class SwarmLink:
 
     def _moved_past(self, outer_step: int) -> bool:
         """Some live peer already reports a later outer step: a group for ``outer_step`` will not form any more."""
-        assert self._beacon is not None
-        return any(int(r.get("outer_step", -1)) > outer_step for r in list(self._beacon.peers.values()))
+        beacon = self._beacon
+        if beacon is None:  # closing: the averaging in flight is abandoned
+            return True
+        return any(int(r.get("outer_step", -1)) > outer_step for r in list(beacon.peers.values()))
 
     def average_async(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> Future:
         """Start averaging in a background thread and return at once; the future holds the outcome."""
@@ -360,7 +315,7 @@ class SwarmLink:
             try:
                 loaded = self._averager.load_state_excluding(timeout=remaining, exclude=sorted(refused))
             except Exception as e:
-                logger.warning("state download failed: %s", _first_line(e))
+                logger.warning("state download failed: %s", first_line(e))
                 loaded = None
             if loaded is None:
                 refused.clear()  # nobody else had it: give everyone another chance (the swarm may have moved)
@@ -479,7 +434,7 @@ def check_multiaddr(text: str, need_peer_id: bool) -> str:
     try:
         protocols = [p.name for p in Multiaddr(text).protocols()]
     except Exception as e:
-        raise ValueError(f"bad multiaddr {text!r}: {_first_line(e)}") from None
+        raise ValueError(f"bad multiaddr {text!r}: {first_line(e)}") from None
     if need_peer_id and "p2p" not in protocols:
         raise ValueError(f"initial peer {text!r} lacks its /p2p/<peer id> part (copy the whole address a peer printed)")
     return text

@@ -11,6 +11,17 @@ so every byte a peer sends or receives crosses its own capped link, and the host
 included. Peers are started inside their namespace with ``ip netns exec`` (``command_prefix``) and listen
 on the namespace's address (``host``).
 
+``nat=[i, ...]`` puts those peers behind a home router of their own:
+
+    namespace PREFIX-i   PREFIX-pi, private address 192.168.(i+1).2/24, default route via the router
+         |  veth pair
+    namespace PREFIX-ri  router: PREFIX-li 192.168.(i+1).1 on the LAN side, PREFIX-wi 10.77.SUBNET.(i+1) on the
+         |  veth pair    internet side (tbf cap = the peer's upload); iptables MASQUERADE out, and inbound
+    root namespace       PREFIX-hi on the bridge (tbf cap = download); connections not started from inside dropped
+
+so the peer can dial anyone but nobody can dial it, like a volunteer's PC behind a home router. The rules
+live inside the router's namespace and vanish with it: nothing is added to the root namespace's tables.
+
 What it does not emulate: propagation delay and loss (``netem`` is not available on our machines; ``tbf``'s
 ``latency`` is only its queue limit). Everything it makes is named with its prefix; a set-up left by a
 crashed run (same prefix) is removed, with any process still inside its namespaces, before a new one is made,
@@ -45,8 +56,10 @@ class Link:
     namespace: str
     host_interface: str  # in the root namespace, a port of the bridge
     peer_interface: str  # inside the peer's namespace
-    address: str
+    address: str  # where the peer listens: its public address, or its private one behind a router
     bandwidth_mbit: float | None  # None: uncapped
+    public_address: str = ""  # the address the rest of the network sees (the router's, behind a NAT)
+    router: str | None = None  # the router's namespace, for a peer behind a NAT
 
 
 def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -60,19 +73,28 @@ def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
     return done
 
 
-def unavailable_reason() -> str | None:
-    """Why network namespaces can't be made here (None if they can): tests skip with this reason."""
+def unavailable_reason(nat: bool = False) -> str | None:
+    """Why network namespaces (and, with ``nat``, home routers) can't be made here (None if they can): tests
+    skip with this reason."""
     if os.geteuid() != 0:
         return "network namespaces need root"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"the '{tool}' command (iproute2) is not installed"
+    if nat and shutil.which("iptables") is None:
+        return "the 'iptables' command is not installed (Debian: apt-get install iptables)"
     probe = f"{DEFAULT_PREFIX}-probe{os.getpid()}"
     try:
         _run("ip", "netns", "add", probe)
     except WanError as e:
         return f"cannot create a network namespace: {e}"
-    _run("ip", "netns", "del", probe, check=False)
+    try:
+        if nat:  # iptables' NAT table inside a namespace needs the kernel's nf_tables/NAT support
+            _run("ip", "netns", "exec", probe, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "lo", "-j", "MASQUERADE")
+    except WanError as e:
+        return f"cannot add a NAT rule inside a network namespace: {e}"
+    finally:
+        _run("ip", "netns", "del", probe, check=False)
     return None
 
 
@@ -118,6 +140,7 @@ class Wan:
         subnet: int = 77,
         burst_kbit: int = 512,
         queue_latency_ms: int = 100,
+        nat: list[int] | tuple[int, ...] = (),
     ):
         caps = bandwidth_mbit if isinstance(bandwidth_mbit, list) else [bandwidth_mbit] * peers
         if len(caps) != peers:
@@ -129,9 +152,17 @@ class Wan:
         if len(prefix) > 8 or not prefix.replace("-", "").isalnum():
             raise ValueError(f"prefix must be up to 8 letters or digits (interface names are short), got {prefix!r}")
         self.prefix, self.bridge = prefix, f"{prefix}-br"
+        self.network = f"10.{subnet}.0"  # the emulated internet, a /24
         self.burst_kbit, self.queue_latency_ms = burst_kbit, queue_latency_ms
+        bad = sorted(set(i for i in nat if not 0 <= i < peers))
+        if bad:
+            raise ValueError(f"--nat names peers {bad}, but peers are numbered 0 to {peers - 1}")
+        if peers and len(set(nat)) == peers and peers > 1:
+            logger.warning("every peer is behind a NAT: none can be dialled, so they can only meet through relays")
         self.links = [
-            Link(i, f"{prefix}-{i}", f"{prefix}-h{i}", f"{prefix}-p{i}", f"10.{subnet}.0.{i + 1}", cap)
+            Link(i, f"{prefix}-{i}", f"{prefix}-h{i}", f"{prefix}-p{i}",
+                 f"192.168.{i + 1}.2" if i in nat else f"{self.network}.{i + 1}", cap,
+                 public_address=f"{self.network}.{i + 1}", router=f"{prefix}-r{i}" if i in nat else None)
             for i, cap in enumerate(caps)
         ]
 
@@ -151,7 +182,10 @@ class Wan:
             _run("ip", "link", "add", self.bridge, "type", "bridge")
             _run("ip", "link", "set", self.bridge, "up")
             for link in self.links:
-                self._add(link)
+                if link.router:
+                    self._add_behind_nat(link)
+                else:
+                    self._add(link)
         except BaseException:
             clean(self.prefix)
             raise
@@ -169,6 +203,41 @@ class Wan:
             tbf = ("root", "tbf", "rate", f"{link.bandwidth_mbit}mbit", "burst", f"{self.burst_kbit}kbit",
                    "latency", f"{self.queue_latency_ms}ms")
             _run("tc", "-n", link.namespace, "qdisc", "add", "dev", link.peer_interface, *tbf)  # upload
+            _run("tc", "qdisc", "add", "dev", link.host_interface, *tbf)  # download
+
+    def _add_behind_nat(self, link: Link) -> None:
+        router, lan, wan_side = link.router, f"{self.prefix}-l{link.index}", f"{self.prefix}-w{link.index}"
+        gateway = link.address.rsplit(".", 1)[0] + ".1"
+        in_router = ("ip", "netns", "exec", router)
+        _run("ip", "netns", "add", router)
+        _run("ip", "netns", "add", link.namespace)
+        # the router's internet side: a port of the bridge, like a public peer's link
+        _run("ip", "link", "add", link.host_interface, "type", "veth", "peer", "name", wan_side)
+        _run("ip", "link", "set", wan_side, "netns", router)
+        _run("ip", "link", "set", link.host_interface, "master", self.bridge, "up")
+        _run("ip", "-n", router, "addr", "add", f"{link.public_address}/24", "dev", wan_side)
+        _run("ip", "-n", router, "link", "set", wan_side, "up")
+        # the home network: router <-> the peer's machine
+        _run("ip", "-n", router, "link", "add", lan, "type", "veth", "peer", "name", link.peer_interface)
+        _run("ip", "-n", router, "link", "set", link.peer_interface, "netns", link.namespace)
+        _run("ip", "-n", router, "addr", "add", f"{gateway}/24", "dev", lan)
+        _run("ip", "-n", router, "link", "set", lan, "up")
+        _run("ip", "-n", router, "link", "set", "lo", "up")
+        _run("ip", "-n", link.namespace, "addr", "add", f"{link.address}/24", "dev", link.peer_interface)
+        _run("ip", "-n", link.namespace, "link", "set", link.peer_interface, "up")
+        _run("ip", "-n", link.namespace, "link", "set", "lo", "up")
+        _run("ip", "-n", link.namespace, "route", "add", "default", "via", gateway)
+        # forward, rewrite outgoing connections to the router's address, let only their replies back in
+        _run(*in_router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        _run(*in_router, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", wan_side, "-j", "MASQUERADE")
+        _run(*in_router, "iptables", "-A", "FORWARD", "-i", wan_side, "-o", lan, "-m", "conntrack",
+             "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        _run(*in_router, "iptables", "-A", "FORWARD", "-i", wan_side, "-j", "DROP")
+        _run(*in_router, "iptables", "-A", "INPUT", "-i", wan_side, "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP")
+        if link.bandwidth_mbit is not None:
+            tbf = ("root", "tbf", "rate", f"{link.bandwidth_mbit}mbit", "burst", f"{self.burst_kbit}kbit",
+                   "latency", f"{self.queue_latency_ms}ms")
+            _run("tc", "-n", router, "qdisc", "add", "dev", wan_side, *tbf)  # upload, to the internet
             _run("tc", "qdisc", "add", "dev", link.host_interface, *tbf)  # download
 
     def down(self) -> None:
@@ -193,4 +262,5 @@ class Wan:
 
     def describe(self) -> list[dict]:
         return [dict(peer=link.index, namespace=link.namespace, address=link.address,
-                     bandwidth_mbit=link.bandwidth_mbit) for link in self.links]
+                     bandwidth_mbit=link.bandwidth_mbit, behind_nat=link.router is not None,
+                     public_address=link.public_address) for link in self.links]

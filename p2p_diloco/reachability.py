@@ -1,0 +1,188 @@
+"""Can other peers dial this one? Decide how a peer takes part when it sits behind a NAT or a firewall.
+
+Three ways to take part, from best to worst:
+
+- ``direct``: other peers can open connections to this peer's address; it averages, reduces a part of
+  every all-reduce and serves its state to peers that rejoin.
+- ``relay``: nobody can dial it, but a reachable peer relays for it (libp2p circuit relay v2 through
+  hivemind's ``p2pd``: the peer keeps a reservation on a relay and advertises a ``/p2p-circuit`` address).
+  It still contributes fully; its bytes cross the relay.
+- ``client``: no relay answered. It dials out only: it sends its outer gradient and receives the average
+  but reduces no part (hivemind's averager client mode) and serves no state.
+
+``auto`` (the default) asks an initial peer to *dial back*: the peer it asks opens a fresh TCP connection
+to the address it sees our connection come from (our NAT's public address) on our listening ports. A
+connection that gets through means ``direct``; none means a NAT or a firewall drops incoming connections,
+and the peer restarts its DHT as ``relay``, falling back to ``client`` if no relay reservation appears in
+time. libp2p's own AutoNAT needs several confirming peers and minutes, and ``p2pd`` does not report its
+verdict to the client, so we ask for one dial-back instead. A probe server dials only the address the
+request came from, on at most a few ports, at most once per peer per ``_PROBE_INTERVAL_S``, so it cannot
+be used to scan other hosts.
+
+This module starts DHTs (through ``swarm.start_dht``) and holds no training or averaging logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from hivemind import DHT
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
+
+logger = logging.getLogger(__name__)
+
+REACHABILITY = ("auto", "direct", "relay", "client")
+PROBE_HANDLER = "p2p_diloco.dial_back"
+_PROBE_INTERVAL_S = 10.0  # a probe server answers each peer at most this often
+_PROBE_PORTS = 4  # ports tried per probe (our listening ports, plus the one the server sees)
+_DIAL_TIMEOUT_S = 3.0
+_PROBE_TIMEOUT_S = 15.0  # one whole probe, ours or one we serve
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """How this peer takes part, and the line a person reads at start."""
+
+    mode: str  # "direct", "relay" or "client"
+    line: str
+    public_address: str | None = None  # the address a probe server saw us at (our NAT's address, if any)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the probe server: every peer that accepts connections answers dial-back requests
+
+
+def serve_dial_back(dht: DHT) -> None:
+    """Answer dial-back probes from the DHT's own process (where its ``p2pd`` client lives)."""
+    dht.run_coroutine(_add_probe_handler)
+
+
+async def _add_probe_handler(_dht: DHT, node: DHTNode) -> None:
+    last_probe: dict[PeerID, float] = {}
+
+    async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = json.loads(await asyncio.wait_for(reader.readline(), _PROBE_TIMEOUT_S) or b"{}")
+            answer = await _dial_back(stream_info, request, last_probe)
+            writer.write(json.dumps(answer).encode() + b"\n")
+            await writer.drain()
+        except Exception as e:  # a malformed or abandoned probe: nothing to answer
+            logger.debug("dial-back probe from %s failed: %r", stream_info.peer_id, e)
+        finally:
+            writer.close()
+
+    await node.p2p.add_binary_stream_handler(PROBE_HANDLER, handle)
+
+
+async def _dial_back(stream_info: Any, request: object, last_probe: dict[PeerID, float]) -> dict:
+    now = time.monotonic()
+    if now - last_probe.get(stream_info.peer_id, -_PROBE_INTERVAL_S) < _PROBE_INTERVAL_S:
+        return {"error": "probed too often"}
+    last_probe[stream_info.peer_id] = now
+    host, observed_port = observed_endpoint(str(stream_info.addr))
+    if host is None:  # a relayed or non-IP connection: no address of theirs to dial
+        return {"error": f"no IP address to dial back in {stream_info.addr}"}
+    ports = [p for p in (request.get("ports", []) if isinstance(request, dict) else []) if isinstance(p, int)]
+    ports = sorted({p for p in [*ports[:_PROBE_PORTS], observed_port] if p and 0 < p < 65536})
+    opened = [port for port, ok in zip(ports, await asyncio.gather(*(_tcp_dial(host, p) for p in ports))) if ok]
+    return {"host": host, "open": opened}
+
+
+def observed_endpoint(address: object) -> tuple[str | None, int | None]:
+    """(IP, TCP port) of a direct TCP connection's remote address; (None, None) for a relayed one."""
+    text = str(address)
+    if "/p2p-circuit" in text:
+        return None, None
+    parts = text.strip("/").split("/")
+    host = next((parts[i + 1] for i, p in enumerate(parts[:-1]) if p in ("ip4", "ip6")), None)
+    port = next((parts[i + 1] for i, p in enumerate(parts[:-1]) if p == "tcp"), None)
+    return host, int(port) if port and port.isdigit() else None
+
+
+async def _tcp_dial(host: str, port: int) -> bool:
+    """A fresh TCP connection to host:port opens within the timeout (closed at once: nothing is sent)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _DIAL_TIMEOUT_S)
+    except (TimeoutError, OSError):
+        return False
+    writer.close()
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the probe client
+
+
+def probe(dht: DHT, initial_peers: Sequence[str]) -> dict | None:
+    """Ask the initial peers, one after another, to dial us back; their answer, or None if none answered."""
+    peer_ids = [_peer_id(address) for address in initial_peers]
+    ports = sorted({port for port in (_listen_port(a) for a in dht.get_visible_maddrs()) if port})
+    for peer_id in dict.fromkeys(p for p in peer_ids if p is not None):
+        try:
+            answer = dht.run_coroutine(partial(_ask, peer_id=peer_id.to_base58(), ports=ports[:_PROBE_PORTS]),
+                                      return_future=True).result(
+                timeout=_PROBE_TIMEOUT_S + 5)
+        except Exception as e:
+            logger.debug("dial-back probe through %s failed: %r", peer_id, e)
+            continue
+        if isinstance(answer, dict) and "open" in answer:
+            return answer
+    return None
+
+
+async def _ask(_dht: DHT, node: DHTNode, peer_id: str, ports: list[int]) -> dict:
+    """Runs in the DHT's process (``run_coroutine`` pickles it: a module-level function with plain arguments)."""
+    _, reader, writer = await asyncio.wait_for(
+        node.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROBE_HANDLER), _PROBE_TIMEOUT_S)
+    try:
+        writer.write(json.dumps({"ports": ports}).encode() + b"\n")
+        await writer.drain()
+        return json.loads(await asyncio.wait_for(reader.readline(), _PROBE_TIMEOUT_S))
+    finally:
+        writer.close()
+
+
+def _peer_id(address: str) -> PeerID | None:
+    try:
+        return PeerID.from_base58(str(address).rstrip("/").split("/p2p/")[-1])
+    except Exception:
+        return None
+
+
+def _listen_port(address: object) -> int | None:
+    text = str(address)
+    return None if "/p2p-circuit" in text else observed_endpoint(address)[1]
+
+
+def relay_addresses(dht: DHT) -> list[str]:
+    """This peer's advertised ``/p2p-circuit`` addresses (a relay reservation is held), fresh from ``p2pd``."""
+    try:
+        fresh = dht.run_coroutine(_latest_maddrs, return_future=True).result(timeout=10)
+    except Exception as e:
+        logger.debug("could not read the visible addresses: %r", e)
+        return []
+    return [str(a) for a in fresh if "/p2p-circuit" in str(a)]
+
+
+async def _latest_maddrs(_dht: DHT, node: DHTNode) -> list:
+    return await node.p2p.get_visible_maddrs(latest=True)
+
+
+def relay_of(circuit_address: str) -> str:
+    """``/ip4/A/tcp/P/p2p/RELAY/p2p-circuit`` -> ``RELAY`` (the relay's peer id, shortened for a person)."""
+    relay = circuit_address.split("/p2p-circuit")[0].rstrip("/").split("/p2p/")[-1]
+    return relay if len(relay) <= 16 else f"{relay[:8]}...{relay[-6:]}"
+
+
+def direct_line(addresses: Sequence[str], public_address: str | None) -> str:
+    shown = [a for a in addresses if "/127." not in a and "/p2p-circuit" not in a] or list(addresses)
+    seen = f" (a peer dialled back {public_address})" if public_address else ""
+    return f"reachable directly at {shown[0] if shown else '?'}{seen}"

@@ -1,0 +1,58 @@
+"""How a peer decides to take part: address parsing for the dial-back probe, the DHT options of each mode,
+and the config checks of the reachability flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p_diloco.config import SwarmConfig
+from p2p_diloco.joining import dht_options
+from p2p_diloco.reachability import direct_line, observed_endpoint, relay_of
+
+PEER = "12D3KooWDGQAkevkKV36UiPMUBEyRAb3eS7DdurCmoSwf9NbQJsE"
+RELAY = "12D3KooWRRm7U2j1aJNDKHKUmad9Ax79zwNC7zrqB9E9RzTSHUgD"
+
+
+def test_the_observed_endpoint_of_a_direct_connection_is_dialled_back():
+    assert observed_endpoint(f"/ip4/10.84.0.3/tcp/41153/p2p/{PEER}") == ("10.84.0.3", 41153)
+    assert observed_endpoint("/ip6/2001:db8::7/tcp/4001") == ("2001:db8::7", 4001)
+
+
+def test_a_relayed_connection_has_no_address_to_dial_back():
+    assert observed_endpoint(f"/ip4/10.84.0.1/tcp/4001/p2p/{RELAY}/p2p-circuit") == (None, None)
+    assert observed_endpoint("/unix/tmp/socket") == (None, None)
+
+
+def test_relay_of_names_the_relay_peer_of_a_circuit_address():
+    name = relay_of(f"/ip4/10.84.0.1/tcp/4001/p2p/{RELAY}/p2p-circuit/p2p/{PEER}")
+    assert name.startswith(RELAY[:8]) and name.endswith(RELAY[-6:])
+
+
+def test_direct_line_prefers_an_address_others_can_use():
+    line = direct_line([f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}", f"/ip4/10.84.0.1/tcp/1/p2p/{PEER}"], "10.84.0.1:1")
+    assert line.startswith(f"reachable directly at /ip4/10.84.0.1/tcp/1/p2p/{PEER}")
+    assert "dialled back 10.84.0.1:1" in line
+
+
+def test_each_mode_starts_the_dht_its_own_way():
+    config = SwarmConfig(initial_peers=(f"/ip4/10.84.0.1/tcp/1/p2p/{RELAY}",))
+    direct, flags = dht_options(config, "direct")
+    assert direct == {"force_reachability": "public"} and flags == {}  # relays for others by default
+    relay, flags = dht_options(config, "relay")
+    assert relay["use_auto_relay"] and relay["force_reachability"] == "private"
+    assert relay["trusted_relays"] == list(config.initial_peers)  # the initial peers, unless --relay says
+    assert flags == {"relayService": False}
+    client, _ = dht_options(config, "client")
+    assert client == {"client_mode": True}
+    own = SwarmConfig(relays=(f"/ip4/10.84.0.9/tcp/1/p2p/{PEER}",), relay_service=False)
+    assert dht_options(own, "relay")[0]["trusted_relays"] == list(own.relays)
+    assert dht_options(own, "direct")[1] == {"relayService": False}  # --no-relay-service
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(reachability="sometimes"), "swarm.reachability must be one of auto, direct, relay, client"),
+    (dict(relay_wait_s=0), "swarm.relay_wait_s must be > 0"),
+])
+def test_bad_reachability_settings_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        SwarmConfig(**overrides)
