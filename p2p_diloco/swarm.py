@@ -51,9 +51,11 @@ class _PeerDHT(DHT):
         super().run()
 
 
-def start_dht(config: SwarmConfig, record_validators: Sequence[Any] = ()) -> DHT:
-    """Start this peer's DHT (and its ``p2pd``); raise SwarmStartError with a one-line reason."""
+def start_dht(config: SwarmConfig, record_validators: Sequence[Any] = (), client_mode: bool = False) -> DHT:
+    """Start this peer's DHT (and its ``p2pd``); raise SwarmStartError with a one-line reason. ``client_mode``:
+    a node that only reads and stores through others, neither reachable nor holding anyone's records (a monitor)."""
     kwargs = dict(
+        client_mode=client_mode,
         record_validators=list(record_validators),
         initial_peers=list(config.initial_peers),
         host_maddrs=list(config.host_maddrs),
@@ -95,6 +97,17 @@ def _first_line(error: BaseException) -> str:
     return text[-1].strip() if text else type(error).__name__
 
 
+def read_progress(dht: DHT, key: str, timeout_s: float = _DHT_TIMEOUT_S) -> dict[str, dict]:
+    """The unexpired progress records under ``key``, by peer id; raises on a DHT failure or after ``timeout_s``."""
+    found = dht.get(key, latest=True, return_future=True).result(timeout=timeout_s)
+    peers = {}
+    if found is not None and isinstance(found.value, dict):
+        for peer, item in found.value.items():
+            if isinstance(item, ValueWithExpiration) and isinstance(item.value, dict):
+                peers[str(peer)] = item.value
+    return peers
+
+
 class ProgressBeacon:
     """Every ``period_s``, from a daemon thread: publishes this peer's latest progress record in the DHT and
     reads the other peers' records, so the training loop never waits on the DHT to know where the swarm is."""
@@ -113,9 +126,12 @@ class ProgressBeacon:
         with self._lock:
             self._record.update(fields)
 
-    def publish_now(self) -> None:
+    def own_record(self) -> dict:
         with self._lock:
-            record = dict(self._record)
+            return dict(self._record)
+
+    def publish_now(self) -> None:
+        record = self.own_record()
         if not record:
             return
         self._dht.store(
@@ -240,16 +256,19 @@ class SwarmLink:
     def live_peers(self) -> dict[str, dict]:
         """Progress records of the other peers whose record has not expired."""
         try:  # bounded: a DHT process that died (or a p2pd that did) must not hang the training loop
-            found = self.dht.get(self._progress_key, latest=True, return_future=True).result(timeout=_DHT_TIMEOUT_S)
+            peers = read_progress(self.dht, self._progress_key)
         except Exception as e:
             logger.debug("reading progress records failed: %r", e)
             return dict(self._beacon.peers) if self._beacon is not None else {}
-        peers = {}
-        if found is not None and isinstance(found.value, dict):
-            for peer, item in found.value.items():
-                if peer != self.peer_id and isinstance(item, ValueWithExpiration) and isinstance(item.value, dict):
-                    peers[str(peer)] = item.value
+        peers.pop(self.peer_id, None)
         return peers
+
+    def progress_records(self) -> dict[str, dict]:
+        """This peer's progress record and the others' as of the beacon's last read (no DHT access: for watchers)."""
+        beacon = self._beacon
+        if beacon is None:
+            return {}
+        return {self.peer_id: beacon.own_record(), **beacon.peers}
 
     def swarm_outer_step(self) -> int:
         """The highest outer step that any live peer reports (-1 when alone)."""
@@ -413,10 +432,15 @@ class SwarmLink:
             _kill_if_alive(self._averager)
             self._averager = None
         if self.dht is not None:
-            if self.dht.is_alive():
-                self.dht.shutdown()
-            _kill_if_alive(self.dht)
+            close_dht(self.dht)
             self.dht = None
+
+
+def close_dht(dht: DHT) -> None:
+    """Stop a DHT started by ``start_dht`` and its ``p2pd``."""
+    if dht.is_alive():
+        dht.shutdown()
+    _kill_if_alive(dht)
 
 
 def _kill_if_alive(process: Any, wait_s: float = 5.0) -> None:
