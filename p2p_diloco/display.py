@@ -60,7 +60,7 @@ def render_table(snapshot: dict[str, Any], last_record: dict | None) -> Any:
     agree = {True: "peers at one step: same global params", False: "global params DIFFER at one step", None: ""}[swarm["agree"]]
     header = Text.assemble(
         ("p2p-diloco ", "bold"),
-        f"run {snapshot['run_id']} · {swarm['live_peers']} live peers · outer step {_number(swarm['outer_step'], 'd')}"
+        f"run {snapshot['run_id']} · {swarm['live_peers']} live peer{'' if swarm['live_peers'] == 1 else 's'} · outer step {_number(swarm['outer_step'], 'd')}"
         f" · swarm {_number(swarm['tokens_per_s'], ',.0f')} tokens/s · {agree}",
     )
     table = Table(box=None, padding=(0, 2), header_style="bold dim")

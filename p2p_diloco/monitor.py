@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,6 +35,7 @@ from p2p_diloco.watch import SwarmWatch
 logger = logging.getLogger(__name__)
 PAGE_PATH = Path(__file__).with_name("monitor_page.html")
 _REQUEST_TIMEOUT_S = 10.0  # a client that stops reading or writing loses its connection after this long
+_QUIET_WARNING_S = 15.0  # a read-only monitor that has found no peer after this long says what may be wrong
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -48,7 +50,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, "text/html; charset=utf-8", self.server.page)
             elif url.path == "/api/swarm":
                 since = _float_param(parse_qs(url.query).get("since", ["0"])[0])
-                body = json.dumps(self.server.watch.snapshot(since=since), allow_nan=False).encode()
+                body = json.dumps(self.server.watch.snapshot(since=since), allow_nan=False, separators=(",", ":")).encode()
                 self._send(200, "application/json", body)
             else:
                 self._send(404, "text/plain; charset=utf-8", b"not found\n")
@@ -88,6 +90,8 @@ class _MonitorHTTPServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], watch: SwarmWatch, page: bytes):
         self.watch, self.page = watch, page
+        if ":" in address[0]:  # an IPv6 address such as ::1
+            self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
 
 
@@ -104,8 +108,8 @@ class MonitorServer:
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}/"
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}/" if ":" in host else f"http://{host}:{self.port}/"
 
     def close(self) -> None:
         """Stop serving (within the poll interval), close the socket, wait for the serving thread."""
@@ -175,6 +179,9 @@ def _watch_run(config: SwarmConfig, host: str, port: int, period_s: float, prog:
         progress_key = f"{config.run_id}.progress"
         watch.start(lambda: read_progress(dht, progress_key))
         print(f"watching run '{config.run_id}': open {server.url}", flush=True)
+        if not stop.wait(_QUIET_WARNING_S) and not watch.snapshot()["peers"]:
+            logger.warning("no progress records of run '%s' after %.0f s: is the run id right? A closed run needs "
+                           "its --swarm-key-file", config.run_id, _QUIET_WARNING_S)
         stop.wait()
     except SwarmStartError as e:
         return _fail(prog, f"could not join the swarm: {e}", code=1)

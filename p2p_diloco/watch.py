@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PEERS = 256  # peers tracked at most: records of an open swarm are anyone's, and memory must stay bounded
 _MAX_COUNT = 2**53
-_RATE_WINDOW_S = 10.0  # tokens/s is measured over the records of about the last 10 s
+_RATE_WINDOW_S = 30.0  # tokens/s is measured over the records of about the last 30 s
 
 
 def pack_stats(record: dict) -> list:
@@ -93,7 +93,8 @@ class PeerTrack:
     last_seen: float
     latest: dict[str, Any] = field(default_factory=dict)  # checked values of its latest record
     tokens_samples: deque = field(default_factory=lambda: deque(maxlen=64))  # (record time, tokens)
-    history: deque = field(default_factory=deque)  # [unix time, outer step, loss, eval loss], one per metrics record
+    # [unix time, outer step, loss, eval loss], one per metrics record, oldest first; thinned when full
+    history: list = field(default_factory=list)
     last_stats: tuple | None = None
     eval_loss: float | None = None  # the last held-out loss it reported (not every record has one)
 
@@ -106,7 +107,7 @@ class SwarmWatch:
         run_id: str,
         self_id: str | None = None,
         period_s: float = 1.0,
-        history_points: int = 2000,
+        history_points: int = 1000,
         forget_after_s: float = 600.0,
         clock: Callable[[], float] = time.time,
     ):
@@ -152,7 +153,7 @@ class SwarmWatch:
                 del self._tracks[peer_id]
 
     def _new_track(self, peer_id: str, now: float) -> PeerTrack:
-        return PeerTrack(peer_id, first_seen=now, last_seen=now, history=deque(maxlen=self._history_points))
+        return PeerTrack(peer_id, first_seen=now, last_seen=now)
 
     def _observe_one(self, peer_id: str, record: dict, now: float) -> None:
         track = self._tracks.get(peer_id)
@@ -185,15 +186,17 @@ class SwarmWatch:
             self._add_point(track, stats, now)
         track.latest = latest
 
-    @staticmethod
-    def _add_point(track: PeerTrack, stats: dict[str, Any], now: float) -> None:
-        """One more point of the chart if ``stats`` summarise a metrics record not seen yet."""
+    def _add_point(self, track: PeerTrack, stats: dict[str, Any], now: float) -> None:
+        """One more point of the chart if ``stats`` summarise a metrics record not seen yet. A full history keeps
+        every other point (the latest always): the chart spans the whole run at half the resolution."""
         if stats["eval_loss"] is not None:
             track.eval_loss = stats["eval_loss"]
         key = tuple(stats.values())
         if key != track.last_stats:
             track.last_stats = key
             track.history.append([round(now, 3), stats["stats_step"], stats["loss"], stats["eval_loss"]])
+            if len(track.history) > self._history_points:
+                track.history = track.history[(len(track.history) - 1) % 2 :: 2]
 
     def write(self, record: dict) -> None:
         """This peer's own metrics records (the watch is a metrics sink too): its chart gets every one of them,
@@ -258,5 +261,15 @@ class SwarmWatch:
             tokens_per_s=round(rate, 1) if rate is not None else None,
             eval_loss=track.eval_loss,
             history_points=len(track.history),
-            history=[point for point in track.history if point[0] > since],
+            history=_points_after(track.history, since),
         )
+
+
+def _points_after(history: list, since: float) -> list:
+    """The points newer than ``since`` (history is oldest first): a page's poll costs what is new, not all."""
+    if not history or since < history[0][0]:
+        return list(history)
+    start = len(history)
+    while start > 0 and history[start - 1][0] > since:
+        start -= 1
+    return history[start:]

@@ -147,3 +147,14 @@ def test_the_polling_thread_survives_a_failing_reader():
     finally:
         watch.close()
     assert len(calls) >= 2 and watch.snapshot()["peers"][0]["peer_id"] == "a"
+
+
+def test_a_full_history_is_thinned_and_keeps_the_whole_run():
+    clock = Clock()
+    watch = SwarmWatch("run", history_points=10, clock=clock)
+    for step in range(25):
+        clock.now += 1
+        watch.observe({"a": _record(step, step, clock.now, loss=float(step))})
+    (peer,) = watch.snapshot()["peers"]
+    steps = [point[1] for point in peer["history"]]
+    assert len(steps) <= 10 and steps[0] <= 4 and steps[-1] == 24 and steps == sorted(steps)
