@@ -91,8 +91,8 @@ class TerminalProgress:
 
     def __init__(self, watch: SwarmWatch, stream: TextIO | None = None, live: bool | None = None):
         self._watch = watch
-        self._stream = stream or sys.stdout
-        self.live = self._stream.isatty() if live is None else live
+        self._stream: TextIO | None = stream or sys.stdout
+        self.live = bool(self._stream and self._stream.isatty()) if live is None else live
         self._last: dict | None = None
         self._view: Any = None
         self._handlers: list[tuple[logging.StreamHandler, Any]] = []  # log handlers moved above the table
@@ -126,9 +126,12 @@ class TerminalProgress:
 
     def write(self, record: dict) -> None:
         self._last = record
-        if not self.live:
+        if not self.live and self._stream is not None:
             live_peers = self._watch.snapshot()["swarm"]["live_peers"] or None
-            print(progress_line(record, live_peers), file=self._stream, flush=True)
+            try:
+                print(progress_line(record, live_peers), file=self._stream, flush=True)
+            except (OSError, ValueError):  # stdout closed (a pipe's reader gone): training goes on without lines
+                self._stream = None
 
     def close(self) -> None:
         if self._view is not None:

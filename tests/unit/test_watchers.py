@@ -114,3 +114,12 @@ def test_the_local_swarm_gives_the_monitor_flags_to_its_first_peer_only():
     assert _first_peer_only(argv) == (
         ["--inner-steps", "20", "--tensorboard", "runs/tb"], ["--monitor-port", "8470", "--monitor-host=0.0.0.0"]
     )
+
+
+def test_a_closed_stdout_stops_the_lines_not_the_peer():
+    out = io.StringIO()
+    progress = TerminalProgress(SwarmWatch("run"), stream=out)
+    out.close()  # as when the reader of a pipe has gone
+    progress.write(_metrics_record(1))
+    progress.write(_metrics_record(2))
+    progress.close()
