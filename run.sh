@@ -2,7 +2,8 @@
 # The two commands of the quick start, each doing all of its own set-up on a fresh machine:
 #   ./run.sh swarm [swarm.py flags]   a local swarm of 3 peers on the built-in corpus, live progress, report + plot
 #   ./run.sh test  [pytest flags]     the test suite
-# Set-up: a virtualenv in .venv with torch==2.13.0 installed first (the CPU wheel), then this package.
+# Set-up: a virtualenv in .venv with torch==2.13.0 installed first (the CPU wheel), then this package; for the
+# tests also Debian's Chromium and iptables (as root, when missing): see setup_system.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"
@@ -11,11 +12,29 @@ setup() {
     if [ ! -x .venv/bin/python ]; then
         "$PYTHON" -m venv .venv
     fi
-    if ! .venv/bin/python -c "import p2p_diloco, hivemind, bitsandbytes, pytest, pytest_timeout, hypothesis" 2>/dev/null; then
+    if ! .venv/bin/python -c "import p2p_diloco, hivemind, bitsandbytes, rich, tensorboard, pytest, pytest_timeout, hypothesis, playwright" 2>/dev/null; then
         .venv/bin/python -m pip install --quiet --upgrade pip
         .venv/bin/python -m pip install --quiet "torch==2.13.0"
         .venv/bin/python -m pip install --quiet -e ".[dev]"
     fi
+}
+
+setup_system() {
+    # Debian packages some tests need, as root, when missing: Chromium (playwright, a dev dependency above,
+    # brings its driver, not a browser: the monitor's browser test drives the system's Chromium) and iptables
+    # (the home routers of the NAT test). Without them those tests are skipped with the reason.
+    local missing=()
+    [ -x /usr/bin/chromium ] || command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || missing+=(iptables)
+    [ ${#missing[@]} -eq 0 ] && return
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "run.sh: installing ${missing[*]} (apt-get) for the browser and NAT tests" >&2
+        if DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null \
+            && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; then
+            return
+        fi
+    fi
+    echo "run.sh: WARNING: ${missing[*]} missing (apt-get install ${missing[*]} as root): tests that need them will be skipped" >&2
 }
 
 command="${1:-}"
@@ -27,6 +46,7 @@ case "$command" in
         ;;
     test)
         setup
+        setup_system
         exec .venv/bin/python -m pytest tests "$@"
         ;;
     *)

@@ -59,6 +59,9 @@ _FLAG_FIELDS = {
     "seed": ("run", "seed"),
     "threads": ("run", "threads"),
     "start_at": ("run", "start_at_unix"),
+    "tensorboard": ("run", "tensorboard_dir"),
+    "monitor_port": ("run", "monitor_port"),
+    "monitor_host": ("run", "monitor_host"),
     "progress_period_s": ("swarm", "progress_period_s"),
     "swarm_key_file": ("swarm", "swarm_key_file"),
     "adversary": ("swarm", "adversary"),
@@ -123,6 +126,9 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--resume", action="store_true", default=s, help="start from the newest readable checkpoint in --checkpoint-dir (a corrupt one is reported and the one before it used), then catch up with the swarm if it is ahead")
     run.add_argument("--eval-every", type=int, default=s, help=f"outer steps between held-out evaluations (default {d.run.eval_every})")
     run.add_argument("--threads", type=int, default=s, help=f"torch CPU threads for this peer (default {d.run.threads})")
+    run.add_argument("--tensorboard", default=s, metavar="DIR", help="write TensorBoard scalars per outer step (loss, tokens/s, group size, bytes, blocked time) to DIR/<peer id> (needs the tensorboard package)")
+    run.add_argument("--monitor-port", type=int, default=s, metavar="PORT", help="serve a live web page of the swarm (peers, outer steps, throughput, bytes, loss chart) on this port (default 0: none)")
+    run.add_argument("--monitor-host", default=s, metavar="HOST", help=f"address the monitor page listens on (default {d.run.monitor_host}: this machine only; 0.0.0.0 for every interface)")
     run.add_argument("--start-at", type=float, default=s, metavar="UNIX_TIME", help="join the swarm, then wait until this wall-clock time (Unix seconds) before training, so that peers launched together start together (default: at once)")
 
 
@@ -195,20 +201,28 @@ def open_process_inputs(config: PeerConfig) -> tuple[Dataset, MetricsSink]:
 
     torch.set_num_threads(config.run.threads)
     dataset = Dataset(config.data, config.model.seq_len, config.inner.batch_size, config.run.seed)
-    return dataset, open_sink(config.run.metrics_file)
+    return dataset, open_sink(config.run.metrics_file, config.run.tensorboard_dir)
 
 
 def _run_peer(config: PeerConfig, prog: str) -> int:
     from p2p_diloco.adversary import link_class
+    from p2p_diloco.display import TerminalProgress
     from p2p_diloco.learner import Learner
+    from p2p_diloco.metrics import FanOutSink
     from p2p_diloco.model import count_parameters
+    from p2p_diloco.monitor import MonitorServer
     from p2p_diloco.swarm import SwarmStartError, reap_descendants
+    from p2p_diloco.watch import SwarmWatch
 
     log = logging.getLogger("p2p_diloco.peer")
     try:
         dataset, metrics = open_process_inputs(config)
     except (ValueError, OSError) as e:
         return _fail(prog, str(e))
+    # what people watching see: the swarm as this peer knows it, in the terminal and (optionally) a web page
+    watch = SwarmWatch(config.swarm.run_id)
+    progress = TerminalProgress(watch)
+    metrics = FanOutSink([metrics, watch, progress])
     stop = threading.Event()
     try:
         learner = Learner(config, dataset, metrics, stop)
@@ -228,7 +242,14 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
         return _fail(prog, f"could not join the swarm: {e}", code=1)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
+    monitor = None
     try:
+        if config.run.monitor_port:  # after the link: the forked DHT and averager processes must not inherit the socket
+            try:
+                monitor = MonitorServer(watch, config.run.monitor_host, config.run.monitor_port)
+            except OSError as e:
+                host, port = config.run.monitor_host, config.run.monitor_port
+                return _fail(prog, f"cannot serve the monitor on {host}:{port}: {e.strerror or e}")
         addresses = " ".join(a for a in link.visible_maddrs() if "/127." not in a) or " ".join(link.visible_maddrs())
         print(f"peer {link.peer_id} in run '{config.swarm.run_id}': {count_parameters(learner.model):,} parameters, "
               f"{dataset.total_bytes / 1e6:.1f} MB corpus", flush=True)
@@ -238,10 +259,16 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
         if link.reachability.mode != "client":
             print(f"others can join with: --initial-peers {addresses.split()[0] if addresses else '?'}", flush=True)
         print(f"all addresses: {' '.join(link.visible_maddrs())}", flush=True)
+        watch.start(link.progress_records, self_id=link.peer_id)
+        if monitor is not None:
+            print(f"swarm monitor: {monitor.url}", flush=True)
+        progress.start()
         learner.run(link)
     finally:
+        metrics.close()  # the watch and the live display too: what follows prints below the table
+        if monitor is not None:
+            monitor.close()
         link.close()
-        metrics.close()
         # this program owns its children: p2pd and anything else a killed child orphaned go with it
         reap_descendants()
     print(f"peer {link.peer_id} stopped at outer step {learner.outer_step}", flush=True)

@@ -195,6 +195,9 @@ class RunConfig:
     threads: int = 1  # torch intra-op threads for this peer
     shutdown_wait_s: float = 10.0  # at the end of a run, wait this long for an averaging in flight to land
     start_at_unix: float = 0.0  # wait until this wall-clock time (Unix seconds) before the first inner step; 0 = at once
+    tensorboard_dir: str | None = None  # TensorBoard scalars per outer step land in DIR/<peer id>; None = none
+    monitor_port: int = 0  # serve the swarm monitor web page on this TCP port; 0 = no monitor
+    monitor_host: str = "127.0.0.1"  # address the monitor listens on (0.0.0.0: every interface; the page is read-only)
 
     def __post_init__(self) -> None:
         _require(self.max_outer_steps >= 0, f"run.max_outer_steps must be >= 0, got {self.max_outer_steps}")
@@ -207,6 +210,11 @@ class RunConfig:
         _require(0 <= self.seed < 2**32, f"run.seed must be in [0, 2**32), got {self.seed}")
         _require(1 <= self.threads <= 1024, f"run.threads must be in [1, 1024], got {self.threads}")
         _require(self.shutdown_wait_s >= 0, f"run.shutdown_wait_s must be >= 0 s, got {self.shutdown_wait_s}")
+        _require(0 <= self.monitor_port <= 65535, f"run.monitor_port must be a TCP port in [1, 65535] (0: no monitor), got {self.monitor_port}")
+        _require(
+            bool(self.monitor_host) and len(self.monitor_host) <= 255 and not any(c.isspace() for c in self.monitor_host),
+            f"run.monitor_host must be a host name or IP address, got {_show(self.monitor_host)}",
+        )
         _require(
             0 <= self.start_at_unix < _YEAR_2100_UNIX,
             f"run.start_at_unix must be a Unix time in seconds (or 0), got {self.start_at_unix}",

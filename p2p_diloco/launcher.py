@@ -21,7 +21,7 @@ from pathlib import Path
 
 from p2p_diloco.cli import _OneLineParser, add_peer_flags, resolve_config
 from p2p_diloco.report import build_report, plot_report, read_metrics
-from p2p_diloco.wan import DEFAULT_PREFIX, Wan, WanError, clean, unavailable_reason
+from p2p_diloco.wan import DEFAULT_PREFIX, Wan, WanError, clean, install_iptables, unavailable_reason
 
 PEER_SCRIPT = Path(__file__).resolve().parent.parent / "peers" / "peer.py"
 _JOIN_LINE = re.compile(r"others can join with: --initial-peers (\S+)")
@@ -262,6 +262,22 @@ def swarm_main(argv: list[str] | None = None, prog: str = "swarm.py") -> int:
 
 
 _SWARM_FLAGS = {"--peers", "--out", "--late-peers", "--late-after-s"}
+_FIRST_PEER_FLAGS = {"--monitor-port", "--monitor-host"}  # one monitor page per swarm: peer0 serves it
+
+
+def _first_peer_only(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split the peers' flags into (every peer's, the first peer's alone): flags of one value each."""
+    shared, first, taking = [], [], False
+    for token in argv:
+        if taking:
+            first.append(token)
+            taking = False
+        elif token.split("=", 1)[0] in _FIRST_PEER_FLAGS:
+            first.append(token)
+            taking = "=" not in token
+        else:
+            shared.append(token)
+    return shared, first
 
 
 def _peer_args(argv: list[str], own: set[str]) -> list[str]:
@@ -294,15 +310,19 @@ def _run(args: argparse.Namespace, peer_args: list[str], out_dir: Path, prog: st
     peers: list[PeerProcess] = []
     started = time.monotonic()
     view = ProgressView()
+    peer_args, first_args = _first_peer_only(peer_args)
     try:
         def place(index: int) -> dict:
             return dict(command_prefix=wan.command_prefix(index), host=wan.host(index)) if wan else {}
 
-        first = start_peer("peer0", out_dir, [*peer_args, "--shard-index", "0", "--num-shards", str(args.peers)], None,
-                           **place(0))
+        first = start_peer("peer0", out_dir, [*peer_args, *first_args, "--shard-index", "0", "--num-shards",
+                                              str(args.peers)], None, **place(0))
         peers.append(first)
         address = wait_for_address(first)
         print(f"swarm started; first peer at {address}", flush=True)
+        if getattr(args, "monitor_port", 0):
+            host = getattr(args, "monitor_host", "127.0.0.1").replace("0.0.0.0", "127.0.0.1")
+            print(f"swarm monitor (served by peer0): http://{host}:{args.monitor_port}/", flush=True)
         pending = list(range(1, args.peers))
         while True:
             elapsed = time.monotonic() - started
@@ -385,6 +405,9 @@ def wan_main(argv: list[str] | None = None, prog: str = "wan.py") -> int:
         wan = Wan(args.peers, caps, prefix=args.prefix, nat=args.nat)
     except ValueError as e:
         return _fail(prog, str(e))
+    installed = install_iptables() if args.nat else None
+    if installed:
+        print(installed, flush=True)
     reason = unavailable_reason(nat=bool(args.nat))
     if reason:
         return _fail(prog, reason)

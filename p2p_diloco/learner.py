@@ -35,6 +35,7 @@ from p2p_diloco.link import AveragingOutcome, Link, SwarmState
 from p2p_diloco.metrics import MetricsSink
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import OuterOptimizer, Segment, params_sha256
+from p2p_diloco.watch import pack_stats
 
 logger = logging.getLogger(__name__)
 ROUND_HISTORY = 32  # outer steps whose group members a peer remembers and serves with its state
@@ -463,44 +464,47 @@ class Learner:
         elapsed = time.monotonic() - self._started
         interval, self.interval = self.interval, Interval()
         weight = pending.weight if pending else 0.0
-        self.metrics.write(
-            dict(
-                peer_id=link.peer_id,
-                outer_step=self.outer_step,
-                status=outcome.status,
-                reason=outcome.reason,
-                # groupmates whose part, weight or result this peer rejected or clamped, or donors it refused
-                rejected_peers=[dict(peer=peer, reason=why) for peer, why in outcome.rejected],
-                time_s=round(elapsed, 3),
-                unix_time=round(time.time(), 3),  # wall clock: lines up the records of restarted peers
-                tokens=self.tokens_total,
-                interval_tokens=interval.tokens,
-                inner_steps=interval.inner_steps,
-                loss=interval.mean_loss,
-                eval_loss=eval_loss,
-                group_size=len(outcome.peers),
-                peers=list(outcome.peers),
-                weight=weight,  # tokens behind the outer gradient this peer sent
-                weight_total=outcome.weight_total,
-                weight_share=round(weight / outcome.weight_total, 4) if outcome.weight_total else None,
-                bytes_sent=int(traffic[0]) if traffic else 0,
-                bytes_received=int(traffic[1]) if traffic else 0,
-                averaging_s=round(time.monotonic() - pending.started, 3) if pending else None,
-                steps_during_averaging=pending.steps_during if pending else 0,
-                fragment=pending.fragment if pending else None,
-                peak_send_bytes_per_s=round(self._take_peak_rate()),
-                compute_s=round(self.compute_s, 4),
-                blocked_s=round(self.blocked_s, 4),
-                eval_s=round(self.eval_s, 4),
-                interval_compute_s=round(interval.compute_s, 4),
-                interval_blocked_s=round(interval.blocked_s, 4),
-                longest_block_s=round(interval.longest_block_s, 4),
-                tokens_per_s=round(self.tokens_total / elapsed, 1) if elapsed > 0 else 0.0,
-                catch_ups=self.catch_ups,
-                forks_healed=self.forks_healed,
-                global_sha256=self.global_sha256,
-            )
+        sent_total, received_total = link.traffic()
+        record = dict(
+            peer_id=link.peer_id,
+            outer_step=self.outer_step,
+            status=outcome.status,
+            reason=outcome.reason,
+            # groupmates whose part, weight or result this peer rejected or clamped, or donors it refused
+            rejected_peers=[dict(peer=peer, reason=why) for peer, why in outcome.rejected],
+            time_s=round(elapsed, 3),
+            unix_time=round(time.time(), 3),  # wall clock: lines up the records of restarted peers
+            tokens=self.tokens_total,
+            interval_tokens=interval.tokens,
+            inner_steps=interval.inner_steps,
+            loss=interval.mean_loss,
+            eval_loss=eval_loss,
+            group_size=len(outcome.peers),
+            peers=list(outcome.peers),
+            weight=weight,  # tokens behind the outer gradient this peer sent
+            weight_total=outcome.weight_total,
+            weight_share=round(weight / outcome.weight_total, 4) if outcome.weight_total else None,
+            bytes_sent=int(traffic[0]) if traffic else 0,
+            bytes_received=int(traffic[1]) if traffic else 0,
+            bytes_sent_total=int(sent_total),  # averaging messages since the process started
+            bytes_received_total=int(received_total),
+            averaging_s=round(time.monotonic() - pending.started, 3) if pending else None,
+            steps_during_averaging=pending.steps_during if pending else 0,
+            fragment=pending.fragment if pending else None,
+            peak_send_bytes_per_s=round(self._take_peak_rate()),
+            compute_s=round(self.compute_s, 4),
+            blocked_s=round(self.blocked_s, 4),
+            eval_s=round(self.eval_s, 4),
+            interval_compute_s=round(interval.compute_s, 4),
+            interval_blocked_s=round(interval.blocked_s, 4),
+            longest_block_s=round(interval.longest_block_s, 4),
+            tokens_per_s=round(self.tokens_total / elapsed, 1) if elapsed > 0 else 0.0,
+            catch_ups=self.catch_ups,
+            forks_healed=self.forks_healed,
+            global_sha256=self.global_sha256,
         )
+        self.metrics.write(record)
+        link.publish(stats=pack_stats(record))  # what the swarm's watchers show of this peer (watch.py)
 
     def _take_peak_rate(self) -> float:
         rate, self.peak_send_rate = self.peak_send_rate, 0.0

@@ -8,6 +8,7 @@ by checkpoint.py when they are loaded. This module reads but never changes anyth
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import stat
 from pathlib import Path
@@ -27,6 +28,8 @@ def check_local_inputs(config: PeerConfig) -> None:
         checkpoint.check_folder(config.run.checkpoint_dir, config.run.resume)
     if config.run.metrics_file:
         _check_output_file(Path(config.run.metrics_file), "metrics file")
+    if config.run.tensorboard_dir:
+        check_tensorboard_dir(Path(config.run.tensorboard_dir))
     check_memory(config.model, config.inner.batch_size, config.run.eval_batches)
 
 
@@ -56,6 +59,15 @@ def check_identity_file(path: Path) -> None:
     except Exception:
         raise ValueError(f"identity file {path} does not hold a libp2p private key "
                          "(remove it, or pass another --identity, to have a new one made)") from None
+
+
+def check_tensorboard_dir(path: Path) -> None:
+    """A TensorBoard folder must be a folder if it exists, and the tensorboard package must be installed (it is
+    imported only when a peer writes TensorBoard scalars)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"TensorBoard folder {path} exists and is not a folder")
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard")
 
 
 def _check_output_file(path: Path, what: str) -> None:

@@ -38,6 +38,17 @@ logger = logging.getLogger(__name__)
 _DHT_TIMEOUT_S = 10.0
 
 
+def read_progress(dht: DHT, key: str, timeout_s: float = _DHT_TIMEOUT_S) -> dict[str, dict]:
+    """The unexpired progress records under ``key``, by peer id; raises on a DHT failure or after ``timeout_s``."""
+    found = dht.get(key, latest=True, return_future=True).result(timeout=timeout_s)
+    peers = {}
+    if found is not None and isinstance(found.value, dict):
+        for peer, item in found.value.items():
+            if isinstance(item, ValueWithExpiration) and isinstance(item.value, dict):
+                peers[str(peer)] = item.value
+    return peers
+
+
 class ProgressBeacon:
     """Every ``period_s``, from a daemon thread: publishes this peer's latest progress record in the DHT and
     reads the other peers' records, so the training loop never waits on the DHT to know where the swarm is."""
@@ -56,9 +67,12 @@ class ProgressBeacon:
         with self._lock:
             self._record.update(fields)
 
-    def publish_now(self) -> None:
+    def own_record(self) -> dict:
         with self._lock:
-            record = dict(self._record)
+            return dict(self._record)
+
+    def publish_now(self) -> None:
+        record = self.own_record()
         if not record:
             return
         self._dht.store(
@@ -189,16 +203,19 @@ class SwarmLink:
     def live_peers(self) -> dict[str, dict]:
         """Progress records of the other peers whose record has not expired."""
         try:  # bounded: a DHT process that died (or a p2pd that did) must not hang the training loop
-            found = self.dht.get(self._progress_key, latest=True, return_future=True).result(timeout=_DHT_TIMEOUT_S)
+            peers = read_progress(self.dht, self._progress_key)
         except Exception as e:
             logger.debug("reading progress records failed: %r", e)
             return dict(self._beacon.peers) if self._beacon is not None else {}
-        peers = {}
-        if found is not None and isinstance(found.value, dict):
-            for peer, item in found.value.items():
-                if peer != self.peer_id and isinstance(item, ValueWithExpiration) and isinstance(item.value, dict):
-                    peers[str(peer)] = item.value
+        peers.pop(self.peer_id, None)
         return peers
+
+    def progress_records(self) -> dict[str, dict]:
+        """This peer's progress record and the others' as of the beacon's last read (no DHT access: for watchers)."""
+        beacon = self._beacon
+        if beacon is None:
+            return {}
+        return {self.peer_id: beacon.own_record(), **beacon.peers}
 
     def swarm_outer_step(self) -> int:
         """The highest outer step that any live peer reports (-1 when alone)."""
@@ -224,6 +241,10 @@ class SwarmLink:
             outcome = AveragingOutcome(None, (), 0.0, "no_group", "only peers in client mode are alive: none can reduce")
         elif live:
             outcome = self._average_with(live, tensors, weight, outer_step)
+            if self.reachability.mode == "client" and outcome.averaged is not None and len(outcome.peers) < 2:
+                # hivemind gives a client that found no reducer a group of itself; two clients doing that at
+                # once would fork the swarm. Only a group with a reducer in it counts for a client
+                outcome = AveragingOutcome(None, (), 0.0, "no_group", "no peer that reduces joined this client's group")
         elif self._beacon is not None and self._beacon.peers:
             # the DHT answered "nobody" while the beacon's last view had peers: a DHT that is reconnecting (after a
             # freeze, say), not an empty swarm. Averaging alone now would race ahead of the others on its own
@@ -368,10 +389,15 @@ class SwarmLink:
             _kill_if_alive(self._averager)
             self._averager = None
         if self.dht is not None:
-            if self.dht.is_alive():
-                self.dht.shutdown()
-            _kill_if_alive(self.dht)
+            close_dht(self.dht)
             self.dht = None
+
+
+def close_dht(dht: DHT) -> None:
+    """Stop a DHT started by ``start_dht`` and its ``p2pd``."""
+    if dht.is_alive():
+        dht.shutdown()
+    _kill_if_alive(dht)
 
 
 def _kill_if_alive(process: Any, wait_s: float = 5.0) -> None:

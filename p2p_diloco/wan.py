@@ -98,6 +98,20 @@ def unavailable_reason(nat: bool = False) -> str | None:
     return None
 
 
+def install_iptables() -> str | None:
+    """Install Debian's iptables package if it is missing (root, apt-get): the home routers need it. Returns
+    what was done, for a person, or None if nothing was needed or possible (unavailable_reason says why)."""
+    if shutil.which("iptables") or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return None
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "iptables"]):
+        try:
+            subprocess.run(command, capture_output=True, timeout=600, env=env, check=True)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"could not install iptables: {' '.join(command)}: {e}"
+    return "installed Debian's iptables package (needed by the emulated home routers)"
+
+
 def leftovers(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Namespaces and links in the root namespace whose names start with ``prefix-``."""
     names = []

@@ -164,7 +164,7 @@ def test_inner_steps_run_while_averaging_and_their_work_is_kept(make_config):
     assert_all_close(learner.params, expected_local)
     assert_all_close(list(learner.model.parameters()), expected_local)
     assert learner.tokens_unsynced == during * BATCH_TOKENS  # only the work done meanwhile is left unsynced
-    assert learner.round_index == 1 and link.published[-1]["outer_step"] == 1
+    assert learner.round_index == 1 and [f for f in link.published if "outer_step" in f][-1]["outer_step"] == 1
 
 
 def test_failed_averaging_in_flight_keeps_everything_for_the_next_round(make_config):
