@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from p2p_diloco.config import ADVERSARIES, COMPRESSIONS, REACHABILITY, PeerConfig, build_config, load_toml
 
 if TYPE_CHECKING:  # torch-heavy modules load only when a process starts training, not for --help
-    from p2p_diloco.data import Dataset
+    from p2p_diloco.data import DataSource
     from p2p_diloco.metrics import MetricsSink
 
 # flag -> (section, field)
@@ -47,6 +47,13 @@ _FLAG_FIELDS = {
     "d_model": ("model", "d_model"),
     "n_heads": ("model", "n_heads"),
     "corpus_dir": ("data", "corpus_dir"),
+    "dataset": ("data", "dataset"),
+    "text_field": ("data", "text_field"),
+    "tokenizer": ("data", "tokenizer"),
+    "data_cache_dir": ("data", "cache_dir"),
+    "model_config": ("model", "hf_config"),
+    "init_from": ("model", "init_from"),
+    "vocab_size": ("model", "vocab_size"),
     "shard_index": ("data", "shard_index"),
     "num_shards": ("data", "num_shards"),
     "max_outer_steps": ("run", "max_outer_steps"),
@@ -113,7 +120,14 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--n-layers", type=int, default=s, help=f"transformer blocks of the built-in model (default {d.model.n_layers})")
     train.add_argument("--d-model", type=int, default=s, help=f"width of the built-in model (default {d.model.d_model})")
     train.add_argument("--n-heads", type=int, default=s, help=f"attention heads of the built-in model (default {d.model.n_heads})")
-    train.add_argument("--corpus-dir", default=s, metavar="PATH", help="folder of text files to train on (default: the Python standard library's sources)")
+    train.add_argument("--vocab-size", type=int, default=s, help=f"token embeddings of the built-in model; must cover the tokenizer's vocabulary (default {d.model.vocab_size}: bytes)")
+    train.add_argument("--model-config", default=s, metavar="CONFIG_JSON", help="train a Hugging Face transformers causal LM described by this local config.json from scratch (seeded init, the same on every peer) instead of the built-in model")
+    train.add_argument("--init-from", default=s, metavar="DIR", help="start from the transformers causal LM saved in this local folder (save_pretrained: config.json and weights)")
+    train.add_argument("--corpus-dir", default=s, metavar="PATH", help="folder of text files to train on, read as bytes (default: the Python standard library's sources)")
+    train.add_argument("--dataset", nargs="+", default=s, metavar="PATH", help="text (.txt .md), JSONL (.jsonl .json) or parquet files, or folders of them, read through Hugging Face datasets: one document per line or row")
+    train.add_argument("--text-field", default=s, help=f"the column of JSONL and parquet files that holds the text (default {d.data.text_field})")
+    train.add_argument("--tokenizer", default=s, metavar="TOKENIZER_JSON", help="a tokenizers file for --dataset (default: UTF-8 bytes, 256 tokens)")
+    train.add_argument("--data-cache-dir", default=s, metavar="PATH", help="where datasets keeps --dataset's memory-mapped Arrow files (default: its own cache, ~/.cache/huggingface/datasets)")
     train.add_argument("--shard-index", type=int, default=s, help="which shard of the training data this peer reads (default 0)")
     train.add_argument("--num-shards", type=int, default=s, help="into how many shards the training data is split (default 1)")
     train.add_argument("--seed", type=int, default=s, help="model init seed, the same on every peer of a run (default 0)")
@@ -190,17 +204,17 @@ def _fail(prog: str, message: str, code: int = 2) -> int:
     return code
 
 
-def open_process_inputs(config: PeerConfig) -> tuple[Dataset, MetricsSink]:
+def open_process_inputs(config: PeerConfig) -> tuple[DataSource, MetricsSink]:
     """What every training process of a run opens first, the same way (a peer, and the benchmark's baselines,
     which must read the same shard as a peer would): torch's thread count, the data shard and the metrics sink.
     Raises ValueError or OSError with a one-line reason."""
     import torch
 
-    from p2p_diloco.data import Dataset
+    from p2p_diloco.data import open_dataset
     from p2p_diloco.metrics import open_sink
 
     torch.set_num_threads(config.run.threads)
-    dataset = Dataset(config.data, config.model.seq_len, config.inner.batch_size, config.run.seed)
+    dataset = open_dataset(config.data, config.model.seq_len, config.inner.batch_size, config.run.seed)
     return dataset, open_sink(config.run.metrics_file, config.run.tensorboard_dir)
 
 
@@ -252,7 +266,7 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
                 return _fail(prog, f"cannot serve the monitor on {host}:{port}: {e.strerror or e}")
         addresses = " ".join(a for a in link.visible_maddrs() if "/127." not in a) or " ".join(link.visible_maddrs())
         print(f"peer {link.peer_id} in run '{config.swarm.run_id}': {count_parameters(learner.model):,} parameters, "
-              f"{dataset.total_bytes / 1e6:.1f} MB corpus", flush=True)
+              f"{dataset.total_bytes / 1e6:.1f} MB of data", flush=True)
         print(link.reachability.line, flush=True)
         if link.reachability.mode == "relay":  # dialled through its relay
             addresses = " ".join(a for a in link.visible_maddrs() if "/p2p-circuit" in a) or addresses

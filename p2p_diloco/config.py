@@ -41,33 +41,59 @@ def _show(value: Any) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A GPT-style byte-level decoder."""
+    """The model: the built-in GPT-style decoder (the fields below), or a Hugging Face transformers causal LM."""
 
-    vocab_size: int = 256  # tokens; 256 = raw bytes
+    vocab_size: int = 256  # tokens of the built-in model; 256 = raw bytes (>= the tokenizer's vocabulary)
     n_layers: int = 4  # transformer blocks
     d_model: int = 128  # residual stream width
     n_heads: int = 4  # attention heads; must divide d_model
-    seq_len: int = 128  # context length in tokens
+    seq_len: int = 128  # context length in tokens (also for a transformers model)
+    hf_config: str | None = None  # a transformers config.json: that causal LM, trained from a seeded init
+    init_from: str | None = None  # a folder written by transformers' save_pretrained: that causal LM and its weights
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "seq_len"):
             _require(getattr(self, name) > 0, f"model.{name} must be a positive integer, got {getattr(self, name)}")
-        # tokens are raw bytes (data.py): a smaller vocabulary fails at the first batch with an IndexError
+        # tokens are raw bytes unless a tokenizer is given (data.py): fewer fail at the first batch with an IndexError
         _require(self.vocab_size >= 256, f"model.vocab_size must be >= 256 (one token per byte), got {self.vocab_size}")
         _require(
             self.d_model % self.n_heads == 0,
             f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})",
         )
+        _require(
+            not (self.hf_config and self.init_from),
+            "model.hf_config (--model-config) and model.init_from (--init-from) exclude each other: "
+            "a folder from save_pretrained holds its own config.json",
+        )
+        defaults = {f.name: f.default for f in fields(self)}
+        changed = [name for name in _BUILT_IN_MODEL_FIELDS if getattr(self, name) != defaults[name]]
+        if self.transformers_model and changed:  # the built-in model's shape would be silently ignored
+            raise ValueError(
+                f"model.{changed[0]} describes the built-in model; a transformers model takes its shape and "
+                "vocabulary from its config.json"
+            )
+
+    @property
+    def transformers_model(self) -> str | None:
+        """The config.json or checkpoint folder of a transformers model; None for the built-in model."""
+        return self.hf_config or self.init_from
+
+
+_BUILT_IN_MODEL_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads")  # ignored by a transformers model
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from and how this peer's shard is chosen."""
 
-    corpus_dir: str | None = None  # folder of text files; None = the Python standard library's .py sources
-    eval_fraction: float = 0.02  # held-out tail of the corpus used only for evaluation (fraction of bytes)
-    shard_index: int = 0  # which contiguous shard of the training bytes this peer reads
-    num_shards: int = 1  # how many shards the training bytes are split into
+    corpus_dir: str | None = None  # folder of text files read as bytes; None = the Python standard library's .py sources
+    dataset: tuple[str, ...] = ()  # text, JSONL or parquet files (or folders of them), read through Hugging Face datasets
+    text_field: str = "text"  # the column holding each document's text in JSONL and parquet files
+    tokenizer: str | None = None  # a tokenizers file (tokenizer.json) for --dataset; None = UTF-8 bytes
+    cache_dir: str | None = None  # where datasets keeps a dataset's memory-mapped Arrow files; None = its own cache
+    eval_fraction: float = 0.02  # held-out tail used only for evaluation (fraction of bytes, or of documents of a dataset)
+    shard_index: int = 0  # which contiguous shard of the training data this peer reads
+    num_shards: int = 1  # how many shards the training data is split into
 
     def __post_init__(self) -> None:
         _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
@@ -75,6 +101,20 @@ class DataConfig:
         _require(
             0 <= self.shard_index < self.num_shards,
             f"data.shard_index must be in [0, num_shards={self.num_shards}), got {self.shard_index}",
+        )
+        _require(
+            all(isinstance(p, str) and p and "\x00" not in p for p in self.dataset),
+            f"data.dataset must be a list of file or folder paths, got {_show(self.dataset)}",
+        )
+        _require(not (self.dataset and self.corpus_dir), "data.dataset (--dataset) and data.corpus_dir (--corpus-dir) exclude each other")
+        _require(
+            not self.tokenizer or bool(self.dataset),
+            "data.tokenizer (--tokenizer) needs data.dataset (--dataset); the built-in corpus and --corpus-dir are read as bytes",
+        )
+        _require(not self.cache_dir or bool(self.dataset), "data.cache_dir (--data-cache-dir) needs data.dataset (--dataset)")
+        _require(
+            isinstance(self.text_field, str) and 0 < len(self.text_field) <= 256 and "\x00" not in self.text_field,
+            f"data.text_field must be a column name, got {_show(self.text_field)}",
         )
 
 

@@ -7,6 +7,9 @@ out for evaluation and never trained on. This module does not tokenize beyond ra
 
 A user's folder may hold anything: only regular files are read (a named pipe or a link to /dev/zero would
 block or never end), binary files are skipped, and a corpus too large to hold in memory is refused.
+
+``open_dataset`` is what a process calls: this byte corpus, or the user's text, JSONL and parquet files through
+Hugging Face datasets (text_data.py, imported only then) when ``dataset`` names some.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import os
 import stat
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -113,6 +117,36 @@ class TokenShard:
         return self.batch_size * self.seq_len
 
 
+class Batches(Protocol):
+    """A peer's training shard: batches in a resumable order."""
+
+    position: int  # batches drawn so far; restoring it resumes the order exactly
+
+    @property
+    def tokens_per_batch(self) -> int: ...
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class DataSource(Protocol):
+    """What a learner reads: its training shard and fixed held-out batches."""
+
+    train: Batches
+    total_bytes: int
+    vocab_size: int  # token ids are below this: the model's vocabulary must cover it
+
+    def eval_batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+def open_dataset(config: DataConfig, seq_len: int, batch_size: int, seed: int) -> DataSource:
+    """This peer's data: the user's files (``config.dataset``) or the byte corpus. ValueError if unusable."""
+    if config.dataset:
+        from p2p_diloco.text_data import FileDataset  # imports datasets and tokenizers: only when asked for
+
+        return FileDataset(config, seq_len, batch_size, seed)
+    return Dataset(config, seq_len, batch_size, seed)
+
+
 class Dataset:
     """The corpus split into a training shard for this peer and a held-out evaluation tail."""
 
@@ -123,6 +157,7 @@ class Dataset:
         shard_size = train.numel() // config.num_shards
         shard = train[config.shard_index * shard_size : (config.shard_index + 1) * shard_size]
         self.total_bytes = corpus.numel()
+        self.vocab_size = 256  # raw bytes
         self.train = TokenShard(shard, seq_len, batch_size, seed=seed + 7919 * (config.shard_index + 1))
         self.seq_len, self.batch_size = seq_len, batch_size
 

@@ -30,7 +30,7 @@ import torch
 
 from p2p_diloco import checkpoint
 from p2p_diloco.config import PeerConfig
-from p2p_diloco.data import Dataset
+from p2p_diloco.data import DataSource
 from p2p_diloco.link import AveragingOutcome, Link, SwarmState
 from p2p_diloco.metrics import MetricsSink
 from p2p_diloco.model import build_model
@@ -100,7 +100,7 @@ class Interval:
 
 
 class Learner:
-    def __init__(self, config: PeerConfig, dataset: Dataset, metrics: MetricsSink, stop: threading.Event | None = None):
+    def __init__(self, config: PeerConfig, dataset: DataSource, metrics: MetricsSink, stop: threading.Event | None = None):
         self.config = config
         self.dataset, self.metrics = dataset, metrics
         self.stop = stop or threading.Event()

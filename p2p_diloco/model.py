@@ -2,6 +2,7 @@
 
 It deliberately stays minimal: no dropout, no KV cache, no weight loading. Parameter order is fixed by
 construction, so every peer that builds it from the same config and seed gets identical tensors.
+``build_model`` also builds a Hugging Face transformers model when the config names one (hf_model.py).
 """
 
 from __future__ import annotations
@@ -75,8 +76,13 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def build_model(config: ModelConfig, seed: int) -> GPT:
-    """Build the model with a seeded init, so that every peer of a run starts from the same bytes."""
+def build_model(config: ModelConfig, seed: int) -> nn.Module:
+    """Build the model with a seeded init, so that every peer of a run starts from the same bytes: the built-in
+    GPT, or the transformers model that ``config`` names. Either is called as ``model(tokens, targets)``."""
+    if config.transformers_model:
+        from p2p_diloco.hf_model import build_transformers_model  # imports transformers: only when asked for
+
+        return build_transformers_model(config, seed)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

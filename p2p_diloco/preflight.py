@@ -1,5 +1,6 @@
 """Checks of a peer's local inputs that need the file system or the machine, run once at start-up before
-anything is loaded or started: the identity key file, the checkpoint folder, the metrics file, and whether the
+anything is loaded or started: the identity key file, the checkpoint folder, the metrics file, the dataset files,
+tokenizer and transformers model config (readable; the model's vocabulary covers the tokens), and whether the
 model fits in memory at all. Each failure is a ValueError with a one-line reason that says how to fix it.
 
 The config's values are checked by config.py, the corpus by data.py (which reads it anyway), checkpoint files
@@ -30,7 +31,38 @@ def check_local_inputs(config: PeerConfig) -> None:
         _check_output_file(Path(config.run.metrics_file), "metrics file")
     if config.run.tensorboard_dir:
         check_tensorboard_dir(Path(config.run.tensorboard_dir))
-    check_memory(config.model, config.inner.batch_size, config.run.eval_batches)
+    check_model_and_data(config)
+
+
+def check_model_and_data(config: PeerConfig) -> None:
+    """The dataset's files exist, the tokenizer and a transformers model's config.json can be read (imported only
+    for runs that name them), the model's vocabulary covers every token id the data can hold, its positions
+    cover seq_len, and it fits in memory."""
+    model, data = config.model, config.data
+    token_ids, source = 256, "UTF-8 bytes"
+    if data.dataset:
+        from p2p_diloco.text_data import find_files, load_tokenizer, vocab_size
+
+        find_files(data.dataset)
+        if data.tokenizer:
+            token_ids, source = vocab_size(load_tokenizer(data.tokenizer)), f"tokenizer {data.tokenizer}"
+    if model.transformers_model:
+        from p2p_diloco.hf_model import config_json_path, describe
+
+        shape = describe(model)
+        model_vocab, fix = shape.vocab_size, f"use a model config.json with vocab_size >= {token_ids} (not {config_json_path(model)})"
+        if shape.max_positions and shape.max_positions < model.seq_len:
+            raise ValueError(f"the model covers {shape.max_positions} positions ({config_json_path(model)}), fewer "
+                             f"than --seq-len {model.seq_len}: choose a shorter --seq-len")
+        needed = _bytes_needed(shape.parameters, shape.width, shape.layers, shape.vocab_size, model.seq_len,
+                               config.inner.batch_size, config.run.eval_batches)
+        _check_fits(needed, f"the model of {config_json_path(model)} ({shape.parameters:,} parameters)", config.inner.batch_size)
+    else:
+        model_vocab, fix = model.vocab_size, f"pass --vocab-size {token_ids} (or more)"
+        check_memory(model, config.inner.batch_size, config.run.eval_batches)
+    if model_vocab < token_ids:
+        raise ValueError(f"the model's vocabulary ({model_vocab} tokens) does not cover the {token_ids} token ids of "
+                         f"{source}: {fix}")
 
 
 def check_identity_file(path: Path) -> None:
@@ -82,23 +114,31 @@ def training_bytes(model: ModelConfig, batch_size: int, eval_batches: int) -> in
     (vocab + positions) x width, and per block 12 d^2 + 13 d."""
     d, layers, seq, vocab = model.d_model, model.n_layers, model.seq_len, model.vocab_size
     params = (vocab + seq) * d + layers * (12 * d * d + 13 * d) + 2 * d
+    return _bytes_needed(params, d, layers, vocab, seq, batch_size, eval_batches)
+
+
+def _bytes_needed(params: int, width: int, layers: int, vocab: int, seq: int, batch_size: int, eval_batches: int) -> int:
     # saved for backward, fp32: at least 8 activations of width d per token and block, and the logits twice
-    activations = 4 * batch_size * seq * (8 * d * layers + 2 * vocab)
+    activations = 4 * batch_size * seq * (8 * width * layers + 2 * vocab)
     eval_data = 16 * eval_batches * batch_size * seq  # held-out batches kept as int64 inputs and targets
     return _BYTES_PER_PARAM * params + activations + eval_data
 
 
 def check_memory(model: ModelConfig, batch_size: int, eval_batches: int) -> None:
-    """Refuse a model that cannot fit in this machine's physical memory, before it is built: building it would
-    otherwise end in the kernel's OOM killer (no message at all) or minutes of swapping."""
+    """Refuse a built-in model that cannot fit in this machine's physical memory, before it is built: building it
+    would otherwise end in the kernel's OOM killer (no message at all) or minutes of swapping."""
+    what = (f"the model (n_layers={model.n_layers}, d_model={model.d_model}, seq_len={model.seq_len}, "
+            f"vocab_size={model.vocab_size})")
+    _check_fits(training_bytes(model, batch_size, eval_batches), what, batch_size)
+
+
+def _check_fits(needed: int, what: str, batch_size: int) -> None:
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX system that says: no check
         return
-    needed = training_bytes(model, batch_size, eval_batches)
     if needed > physical:
         raise ValueError(
-            f"the model (n_layers={model.n_layers}, d_model={model.d_model}, seq_len={model.seq_len}, "
-            f"vocab_size={model.vocab_size}) at batch size {batch_size} needs at least {needed / 2**30:,.0f} GiB "
+            f"{what} at batch size {batch_size} needs at least {needed / 2**30:,.0f} GiB "
             f"to train, more than this machine's {physical / 2**30:,.0f} GiB: choose a smaller model or batch"
         )

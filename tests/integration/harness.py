@@ -9,16 +9,21 @@ from pathlib import Path
 from p2p_diloco.launcher import LocalSwarm
 
 # small and quick, but the real code path: DHT, matchmaking, butterfly all-reduce, int8 codec
+FAST_MODEL_FLAGS = ["--n-layers", "2", "--d-model", "64", "--n-heads", "2"]  # the built-in model's shape
 FAST_PEER_FLAGS = [
-    "--n-layers", "2", "--d-model", "64", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
+    *FAST_MODEL_FLAGS, "--seq-len", "64", "--batch-size", "8",
     "--inner-steps", "20", "--matchmaking-time-s", "4", "--averaging-timeout-s", "30", "--chunk-timeout-s", "4",
     "--state-timeout-s", "30", "--compression", "int8", "--run-id", "itest",
 ]
 
 
-def local_swarm(out_dir: Path, reaper: list[int], extra_flags: list[str] | None = None) -> LocalSwarm:
-    """A LocalSwarm of fast test peers whose process groups the test's reaper kills at teardown."""
-    return LocalSwarm(out_dir, FAST_PEER_FLAGS + (extra_flags or []), on_start=reaper.append)
+def local_swarm(
+    out_dir: Path, reaper: list[int], extra_flags: list[str] | None = None, built_in_model: bool = True
+) -> LocalSwarm:
+    """A LocalSwarm of fast test peers whose process groups the test's reaper kills at teardown;
+    ``built_in_model=False`` leaves out the built-in model's shape (for a model that ``extra_flags`` name)."""
+    flags = FAST_PEER_FLAGS if built_in_model else FAST_PEER_FLAGS[len(FAST_MODEL_FLAGS) :]
+    return LocalSwarm(out_dir, flags + (extra_flags or []), on_start=reaper.append)
 
 
 def wait_for_log(path: Path, pattern: str, offset: int, timeout_s: float) -> None:

@@ -26,6 +26,7 @@ CASES = {
     "missing corpus": (["--corpus-dir", "/nonexistent/corpus"], "corpus folder"),
     "monitor port out of range": (["--monitor-port", "70000"], "run.monitor_port"),
     "tensorboard folder is a file": (["--tensorboard", "/etc/hostname"], "TensorBoard folder"),
+    "missing model config": (["--model-config", "/nonexistent/config.json"], "model config /nonexistent/config.json does not exist"),
 }
 
 
@@ -75,6 +76,19 @@ def _foreign_checkpoints(folder: Path) -> Path:
     return folder
 
 
+def _tokenizer_larger_than_the_model(folder: Path) -> list[str]:
+    """A transformers config.json of 256 tokens, and a tokenizer of 300 for the dataset (ids 256-299 would index
+    past the model's embedding)."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(300)}, unk_token="w0")).save(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text('{"model_type": "llama", "vocab_size": 256, "hidden_size": 32, '
+                                        '"intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}')
+    (folder / "train.jsonl").write_text('{"text": "hello"}\n')
+    return ["--model-config", str(folder / "config.json"), "--dataset", str(folder / "train.jsonl"),
+            "--tokenizer", str(folder / "tokenizer.json")]
+
+
 # each case: tmp_path -> (extra argv, what the one error line must say); every one once ended in a traceback, a
 # hang, an OOM kill, or a run that went on over what was saved. One per kind of input (each costs a process
 # start); the variants of each are unit tests (test_config_validation.py, test_local_inputs.py, test_fuzz.py)
@@ -85,6 +99,7 @@ HOSTILE: dict[str, Callable[[Path], tuple[list[str], str]]] = {
     "identity file of garbage": lambda d: (["--identity", str(_file(d / "id.key", b"garbage"))], "does not hold a libp2p private key"),
     "hostile checkpoint": lambda d: (["--checkpoint-dir", str(_foreign_checkpoints(d / "ckpt")), "--resume"], "no usable checkpoint"),
     "checkpoints of another run": lambda d: (["--checkpoint-dir", str(_foreign_checkpoints(d / "ckpt"))], "already holds checkpoints"),
+    "tokenizer larger than the model": lambda d: (_tokenizer_larger_than_the_model(d), "vocabulary (256 tokens) does not cover the 300 token ids"),
 }
 
 

@@ -43,6 +43,13 @@ from p2p_diloco.config import (
         (lambda: RunConfig(seed=-1), "run.seed"),
         (lambda: RunConfig(threads=10**9), "run.threads"),  # torch aborts with a C++ stack trace
         (lambda: RunConfig(start_at_unix=1.7e12), "run.start_at_unix"),  # milliseconds: would wait 50,000 years
+        (lambda: ModelConfig(hf_config="config.json", init_from="folder"), "model.init_from"),
+        (lambda: ModelConfig(hf_config="config.json", n_layers=2), "model.n_layers describes the built-in model"),
+        (lambda: DataConfig(dataset=("a.parquet",), corpus_dir="texts"), "data.corpus_dir"),
+        (lambda: DataConfig(tokenizer="tokenizer.json"), "data.tokenizer (--tokenizer) needs data.dataset"),
+        (lambda: DataConfig(dataset=("",)), "data.dataset"),
+        (lambda: DataConfig(dataset=("a.jsonl",), text_field=""), "data.text_field"),
+        (lambda: DataConfig(cache_dir="cache"), "data.cache_dir"),
     ],
 )
 def test_bad_values_raise_naming_the_field(make, field: str):
