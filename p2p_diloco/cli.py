@@ -148,9 +148,6 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
 
 def resolve_config(args: argparse.Namespace) -> PeerConfig:
     """defaults -> TOML file -> flags; raises ValueError with a one-line reason."""
-    from p2p_diloco.preflight import check_local_inputs
-    from p2p_diloco.swarm import check_multiaddr
-
     overrides: dict[str, dict[str, Any]] = load_toml(args.config) if getattr(args, "config", None) else {}
     overrides = {section: dict(values) for section, values in overrides.items()}
     for flag, (section, field) in _FLAG_FIELDS.items():
@@ -158,6 +155,10 @@ def resolve_config(args: argparse.Namespace) -> PeerConfig:
             value = getattr(args, flag)
             overrides.setdefault(section, {})[field] = tuple(value) if isinstance(value, list) else value
     config = build_config(overrides)
+    # torch and hivemind load only now: a mistyped value is reported at once, not after seconds of imports
+    from p2p_diloco.preflight import check_local_inputs
+    from p2p_diloco.swarm import check_multiaddr
+
     for address in config.swarm.initial_peers + config.swarm.relays:
         check_multiaddr(address, need_peer_id=True)
     for address in config.swarm.host_maddrs + config.swarm.announce_maddrs:

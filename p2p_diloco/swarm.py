@@ -235,10 +235,11 @@ class SwarmLink:
             feedback = self._error_feedback[outer_step % len(self._error_feedback)]
             tensors, residual = feedback.prepare(list(tensors))
         live = self._read_progress()
-        if live and self.reachability.mode == "client" and all(r.get("client") for r in live.values()):
-            # a client can only send to reducers: among clients alone no group can form, and each averaging
-            # alone would fork the swarm. The progress stays local and flows into a later round
-            outcome = AveragingOutcome(None, (), 0.0, "no_group", "only peers in client mode are alive: none can reduce")
+        if self.reachability.mode == "client" and all(r.get("client") for r in live.values()):
+            # a client can only send to reducers. Among clients alone (or when the DHT, whose records only
+            # reachable peers hold, answers nobody) no group can form, and each client stepping alone would
+            # fork the swarm. The progress stays local and flows into a later round
+            outcome = AveragingOutcome(None, (), 0.0, "no_group", "no peer that can reduce is alive")
         elif live:
             outcome = self._average_with(live, tensors, weight, outer_step)
             if self.reachability.mode == "client" and outcome.averaged is not None and len(outcome.peers) < 2:

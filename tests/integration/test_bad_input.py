@@ -24,6 +24,8 @@ CASES = {
     "unreadable config": (["--config", "/nonexistent/peer.toml"], "cannot read config file"),
     "unreachable initial peer": (["--initial-peers", UNREACHABLE, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "could not join"),
     "missing corpus": (["--corpus-dir", "/nonexistent/corpus"], "corpus folder"),
+    "bad relay address": (["--relay", "relay.example:4001"], "bad multiaddr"),
+    "unknown reachability": (["--reachability", "sometimes"], "invalid choice"),
     "monitor port out of range": (["--monitor-port", "70000"], "run.monitor_port"),
     "tensorboard folder is a file": (["--tensorboard", "/etc/hostname"], "TensorBoard folder"),
     "missing model config": (["--model-config", "/nonexistent/config.json"], "model config /nonexistent/config.json does not exist"),
