@@ -26,7 +26,7 @@ def summarise(report: dict, nat: list[int]) -> dict:
     rounds = [r for records in report["records"].values() for r in records if r.get("status") == "ok"]
     wire = {f"peer{link['peer']}": link for link in report.get("wan", [])}
     by_kind: dict[str, list[int]] = {"public": [], "behind NAT": []}
-    for name, link in wire.items():
+    for link in wire.values():
         by_kind["behind NAT" if link["peer"] in nat else "public"].append(link["wire_bytes_sent"] + link["wire_bytes_received"])
     steps = max((p["final_outer_step"] for p in report["peers"].values()), default=0)
     return dict(
@@ -51,11 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=240.0)
     parser.add_argument("--bandwidth-mbit", type=float, default=20.0)
     parser.add_argument("--inner-steps", type=int, default=60)
+    parser.add_argument("--only", choices=("nat", "public"),
+                        help="run only this half; the other is read from the report an earlier run left in --out")
     args = parser.parse_args(argv)
     out = Path(args.out)
     results = {}
     for label, nat in (("behind NAT", args.nat), ("all public", [])):
         folder = out / ("nat" if nat else "public")
+        if args.only and args.only != folder.name:
+            results[label] = summarise(json.loads((folder / "report.json").read_text()), nat)
+            continue
         start_at = time.time() + 40  # every peer starts training together, the NATed ones after finding their way
         flags = ["--peers", str(args.peers), "--bandwidth-mbit", str(args.bandwidth_mbit), "--out", str(folder),
                  "--prefix", "p2pnatb", "--max-time-s", str(args.duration_s), "--inner-steps", str(args.inner_steps),
