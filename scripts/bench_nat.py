@@ -29,6 +29,7 @@ def summarise(report: dict, nat: list[int]) -> dict:
     for link in wire.values():
         by_kind["behind NAT" if link["peer"] in nat else "public"].append(link["wire_bytes_sent"] + link["wire_bytes_received"])
     steps = max((p["final_outer_step"] for p in report["peers"].values()), default=0)
+    averaged = {r["outer_step"] for r in rounds if r["group_size"] >= 2}  # outer steps the swarm averaged together
     return dict(
         outer_steps=steps,
         group_sizes=sorted({r["group_size"] for r in rounds}),
@@ -36,7 +37,7 @@ def summarise(report: dict, nat: list[int]) -> dict:
         rounds=len(rounds),
         mean_averaging_s=round(statistics.mean(r["averaging_s"] for r in rounds), 2) if rounds else None,
         wire_mb_per_peer={kind: [round(b / 1e6, 1) for b in values] for kind, values in by_kind.items() if values},
-        wire_mb_per_outer_step=round(sum(sum(v) for v in by_kind.values()) / 1e6 / max(steps, 1), 2),
+        wire_mb_per_averaged_step=round(sum(sum(v) for v in by_kind.values()) / 1e6 / max(len(averaged), 1), 2),
         swarm_tokens_per_s=report["swarm_tokens_per_s"],
         final_eval_loss=report["final_eval_loss"],
         invariant_1=report["invariant_1"]["held"],
