@@ -14,6 +14,9 @@
 
 A failed or partial round is a value handled in ``_complete_averaging``, never an exception unwinding the
 loop. The learner talks to the swarm only through ``Link``; it does not know hivemind exists.
+
+A multi-rank island (island.py) runs this loop on rank 0 and ``follow`` on the other ranks: the same inner
+steps, with rank 0's decisions and state broadcast at every inner step boundary (``_sync_island``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch
 from p2p_diloco import checkpoint
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import DataSource
-from p2p_diloco.link import AveragingOutcome, Link, SwarmState
+from p2p_diloco.island import Control, Island
+from p2p_diloco.link import AveragingOutcome, Link, LocalLink, SwarmState
 from p2p_diloco.metrics import MetricsSink
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import OuterOptimizer, Segment, params_sha256
@@ -100,11 +104,20 @@ class Interval:
 
 
 class Learner:
-    def __init__(self, config: PeerConfig, dataset: DataSource, metrics: MetricsSink, stop: threading.Event | None = None):
+    def __init__(
+        self,
+        config: PeerConfig,
+        dataset: DataSource,
+        metrics: MetricsSink,
+        stop: threading.Event | None = None,
+        island: Island | None = None,
+    ):
         self.config = config
         self.dataset, self.metrics = dataset, metrics
         self.stop = stop or threading.Event()
+        self.island = island or Island()  # one rank of one by default
         self.model = build_model(config.model, config.run.seed)  # same seed on every peer: same start bytes
+        self.train_model = self.island.wrap(self.model)  # what the inner steps call: DDP across the island's ranks
         self.params = list(self.model.parameters())
         self.global_params = [p.detach().clone() for p in self.params]
         self.outer = OuterOptimizer(self.global_params, config.outer)
@@ -182,10 +195,7 @@ class Learner:
 
     def run(self, link: Link) -> None:
         """Train until max_outer_steps, max_time_s or ``stop``; writes one metrics record per outer step."""
-        wait_s = self.config.run.start_at_unix - time.time()
-        if wait_s > 0:  # peers launched together begin together (a benchmark's swarms, a planned start)
-            logger.info("waiting %.0f s for the agreed start time", wait_s)
-            self.stop.wait(wait_s)
+        self._wait_for_start()
         self._started = time.monotonic()
         self.peer_id = link.peer_id
         resumed = f"resumed from {self.resumed_from}" if self.resumed_from else ""
@@ -194,16 +204,49 @@ class Learner:
         self._catch_up(link)
         self.round_started = time.monotonic()
         try:
-            while not self._should_stop():
+            self._share_start()
+            stop = self._sync_island(self._should_stop()).stop
+            while not stop:
                 self._inner_step(link)
                 if self.pending is not None and self.pending.future.done():
                     self._complete_averaging(link)
                 if not self._should_stop() and self._round_is_over(link):
                     self._end_round(link)
+                stop = self._sync_island(self._should_stop()).stop  # the other ranks of the island do as rank 0 says
             self._settle_pending(link)
+            self._sync_island(True)  # an averaging that landed while settling reaches the other ranks too
         finally:
             if self.config.run.checkpoint_dir:
                 self.save_checkpoint()
+
+    def follow(self) -> None:
+        """A rank other than 0 of a multi-rank island: the same inner steps as rank 0 (DDP keeps them
+        identical) until rank 0 says stop; rank 0's global state replaces ours whenever it changes."""
+        self._wait_for_start()
+        self._share_start()
+        link = LocalLink()  # never used for averaging: only rank 0 talks to the swarm
+        control = self._sync_island(False)
+        while not control.stop:
+            self._inner_step(link)
+            control = self._sync_island(False)
+            self.outer_step = control.outer_step
+        self._sync_island(True)
+
+    def _wait_for_start(self) -> None:
+        wait_s = self.config.run.start_at_unix - time.time()
+        if wait_s > 0:  # peers launched together begin together (a benchmark's swarms, a planned start)
+            logger.info("waiting %.0f s for the agreed start time", wait_s)
+            self.stop.wait(wait_s)
+
+    def _share_start(self) -> None:
+        """Rank 0's inner optimizer state and data position to the island's other ranks (a resume, say)."""
+        state = self.island.share_start(dict(inner=self.inner.state_dict(), position=self.dataset.train.position))
+        if not self.island.is_leader:
+            self.inner.load_state_dict(state["inner"])
+            self.dataset.train.position = state["position"]
+
+    def _sync_island(self, stop: bool) -> Control:
+        return self.island.sync(stop, self.outer_step, self.global_sha256, self.params, self.global_params)
 
     def _settle_pending(self, link: Link) -> None:
         """At the end of a run, give an averaging still in flight a bounded time to land, so that its result
@@ -234,7 +277,8 @@ class Learner:
         started = time.monotonic()
         self.model.train()
         inputs, targets = self.dataset.train.next_batch()
-        loss = self.model(inputs, targets)
+        with self.island.autocast():
+            loss = self.train_model(inputs.to(self.island.device), targets.to(self.island.device))
         self.inner.zero_grad(set_to_none=True)
         loss.backward()
         if self.config.inner.grad_clip_norm:
@@ -243,7 +287,7 @@ class Learner:
         if self.config.inner.throttle > 1:  # emulate older hardware: each step takes `throttle` times as long
             time.sleep((self.config.inner.throttle - 1) * (time.monotonic() - started))
         elapsed = time.monotonic() - started
-        tokens = inputs.numel()
+        tokens = inputs.numel() * self.island.size  # the island's tokens: every rank read a batch of its own sub-shard
         self.compute_s += elapsed
         self.tokens_total += tokens
         self.unsynced_by_fragment = [count + tokens for count in self.unsynced_by_fragment]
