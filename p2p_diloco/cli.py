@@ -231,12 +231,31 @@ def _start_island(config: PeerConfig) -> Island:
     return island.Island.from_environment(os.environ, island.collective_timeout_s(config))
 
 
+_FOLLOWER_GRACE_S = 10.0  # beyond rank 0's own shutdown wait; under torchrun's 30 s before it SIGKILLs
+
+
+def _leave_unless_stopped(rank: int, deadline_s: float) -> None:
+    """On SIGTERM or SIGINT a follower waits for rank 0's stop (it comes within one inner step and rank 0's
+    settling); past ``deadline_s`` rank 0 is taken for gone and the process leaves. torchrun signals the other
+    ranks when rank 0 dies, but rank 0's forked swarm processes keep its sockets open, so a collective would
+    otherwise wait for its full timeout."""
+    logging.getLogger("p2p_diloco.peer").info("rank %d stops when rank 0 does (at most %.0f s from now)", rank, deadline_s)
+
+    def leave() -> None:
+        print(f"island rank {rank}: rank 0 did not stop the island within {deadline_s:.0f} s; leaving", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(deadline_s, leave)
+    timer.daemon = True
+    timer.start()
+
+
 def _follow(config: PeerConfig, island: Island, prog: str) -> int:
     """A rank other than 0 of a torchrun island: train in step with rank 0 until it stops; no swarm, no files."""
     from p2p_diloco.learner import Learner
 
     for signum in (signal.SIGINT, signal.SIGTERM):  # torchrun and Ctrl-C signal every rank: rank 0 says when to stop
-        signal.signal(signum, lambda *_: logging.getLogger("p2p_diloco.peer").info("rank %d stops when rank 0 does", island.rank))
+        signal.signal(signum, lambda *_: _leave_unless_stopped(island.rank, config.run.shutdown_wait_s + _FOLLOWER_GRACE_S))
     try:
         dataset, metrics = open_process_inputs(config, island)
         Learner(config, dataset, metrics, island=island).follow()

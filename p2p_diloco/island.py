@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import datetime
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -34,6 +35,7 @@ from p2p_diloco.outer import params_sha256
 
 logger = logging.getLogger(__name__)
 _MARGIN_S = 120.0  # on top of the longest wait of rank 0 between two boundaries
+_POLL_S = 0.001  # how often a rank waiting for rank 0's control tensor returns to Python (to run signal handlers)
 
 
 class IslandDiverged(RuntimeError):
@@ -129,7 +131,7 @@ class Island:
         changed = self.is_leader and self._synced != (outer_step, global_sha256)
         check = self.is_leader and not changed and self._check_due
         control = torch.tensor([int(stop), int(changed), int(check), outer_step], dtype=torch.int64, device=self.device)
-        dist.broadcast(control, src=0)
+        self._broadcast_control(control)
         stop, changed, check, outer_step = (int(v) for v in control.tolist())
         if changed:
             self._broadcast_params(list(local_params) + list(global_params))
@@ -139,6 +141,16 @@ class Island:
         elif check:
             self._check_local(outer_step, local_params)
         return Control(bool(stop), outer_step)
+
+    @staticmethod
+    def _broadcast_control(control: torch.Tensor) -> None:
+        """The per-step control broadcast, waited for in Python: the other ranks wait here while rank 0 evaluates,
+        checkpoints or waits for an averaging, and a wait inside the C++ collective would hold off their signal
+        handlers (SIGTERM from torchrun) until it ends."""
+        work = dist.broadcast(control, src=0, async_op=True)
+        while not work.is_completed():
+            time.sleep(_POLL_S)
+        work.wait()  # raises if the collective failed or timed out
 
     def _broadcast_params(self, tensors: list[torch.Tensor]) -> None:
         """One broadcast of all the tensors, flattened into one fp32 buffer; followers copy rank 0's bytes."""

@@ -116,10 +116,13 @@ class Learner:
         self.dataset, self.metrics = dataset, metrics
         self.stop = stop or threading.Event()
         self.island = island or Island()  # one rank of one by default
-        self.model = build_model(config.model, config.run.seed)  # same seed on every peer: same start bytes
+        # same seed on every peer: same start bytes. Local params live on the island's device (a GPU, or the CPU)
+        self.model = build_model(config.model, config.run.seed).to(self.island.device)
         self.train_model = self.island.wrap(self.model)  # what the inner steps call: DDP across the island's ranks
         self.params = list(self.model.parameters())
-        self.global_params = [p.detach().clone() for p in self.params]
+        # global params and the outer step stay fp32 on the CPU everywhere, so that a GPU island and a CPU peer
+        # compute the same bytes (outer.py); values cross between the two devices at the outer step only
+        self.global_params = [p.detach().cpu().clone() for p in self.params]
         self.outer = OuterOptimizer(self.global_params, config.outer)
         self.inner = torch.optim.AdamW(self.params, lr=config.inner.lr, weight_decay=config.inner.weight_decay)
         self.outer_step = 0
@@ -349,7 +352,7 @@ class Learner:
         fragment = self.outer_step % len(self.fragments)
         segments = self.fragments[fragment]
         snapshot = [s.of(self.params).detach().clone() for s in segments]
-        outer_grads = [s.of(self.global_params) - local for s, local in zip(segments, snapshot)]
+        outer_grads = [s.of(self.global_params) - local.cpu() for s, local in zip(segments, snapshot)]
         weight = float(self.tokens_unsynced)
         what = f"fragment {fragment + 1}/{len(self.fragments)}" if len(self.fragments) > 1 else "outer gradient"
         logger.info("outer step %d: averaging started (%s, weight %d tokens)", self.outer_step, what, weight)
@@ -382,7 +385,7 @@ class Learner:
             with torch.no_grad():  # local_params <- new_global + (local_params - snapshot): keep the work done since
                 for segment, snapshot in zip(segments, pending.snapshot):
                     param = segment.of(self.params)
-                    param.copy_(segment.of(self.global_params) + (param - snapshot))  # exactly new_global if idle
+                    param.copy_(segment.of(self.global_params).to(param.device) + (param - snapshot))  # new_global if idle
             self.unsynced_by_fragment[pending.fragment] -= int(pending.weight)
             self._remember_round(pending.outer_step, outcome.peers)
             self.unconfirmed = None
@@ -424,10 +427,10 @@ class Learner:
         with torch.no_grad(), self._state_lock:
             if applied is not None:  # that fragment's progress up to the snapshot is in the new global already
                 for segment, snapshot in zip(applied.segments, applied.snapshot):
-                    segment.of(self.params).add_(segment.of(self.global_params) - snapshot)
+                    segment.of(self.params).add_((segment.of(self.global_params) - snapshot.cpu()).to(self.island.device))
                 self.unsynced_by_fragment[applied.fragment] -= int(applied.weight)
             for param, old, new in zip(self.params, self.global_params, state.global_params):
-                param.add_(new - old)  # local_params <- new_global + (local_params - old_global)
+                param.add_((new - old).to(param.device))  # local_params <- new_global + (local_params - old_global)
                 old.copy_(new)
             self.outer.load_state(state.momentum, state.outer_steps_taken)
             self.outer_step, self.global_sha256 = state.outer_step, state.global_sha256
@@ -485,10 +488,11 @@ class Learner:
     def evaluate(self) -> float:
         """Held-out loss of the *global* params (the model the swarm shares), not of our local progress."""
         names = [name for name, _ in self.model.named_parameters()]
-        weights = dict(zip(names, self.global_params))
+        device = self.island.device
+        weights = dict(zip(names, (p.to(device) for p in self.global_params)))
         self.model.eval()
         losses = [
-            torch.func.functional_call(self.model, weights, (inputs, targets)).item()
+            torch.func.functional_call(self.model, weights, (inputs.to(device), targets.to(device))).item()
             for inputs, targets in self._eval_batches
         ]
         self.model.train()

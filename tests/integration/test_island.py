@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -24,6 +25,18 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as handle:
+                if int(handle.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
 def _island_shas(log: str) -> dict[tuple[str, int], dict[int, str]]:
     """(global|local, outer step) -> rank -> the sha256 that rank logged."""
     found: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)
@@ -43,6 +56,9 @@ def test_torchrun_island_averages_with_a_single_peer_and_its_ranks_stay_identica
     )
     reaper.append(island.process.pid)
     swarm.peers["island"] = island
+    # torchrun starts each rank in a process group of its own: the reaper must know those groups too
+    swarm.wait_until(lambda: len(_children(island.process.pid)) == 2, 60, "torchrun to start 2 ranks")
+    reaper.extend(_children(island.process.pid))
     swarm.wait_all_exited(120)
     assert all(p.process.returncode == 0 for p in swarm.peers.values()), swarm.log_tails()
 
