@@ -254,11 +254,17 @@ def _follow(config: PeerConfig, island: Island, prog: str) -> int:
     """A rank other than 0 of a torchrun island: train in step with rank 0 until it stops; no swarm, no files."""
     from p2p_diloco.learner import Learner
 
-    for signum in (signal.SIGINT, signal.SIGTERM):  # torchrun and Ctrl-C signal every rank: rank 0 says when to stop
-        signal.signal(signum, lambda *_: _leave_unless_stopped(island.rank, config.run.shutdown_wait_s + _FOLLOWER_GRACE_S))
+    stop = threading.Event()  # ends a wait for the agreed start time; the training stops when rank 0 says so
+
+    def request_stop(*_: object) -> None:
+        stop.set()
+        _leave_unless_stopped(island.rank, config.run.shutdown_wait_s + _FOLLOWER_GRACE_S)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):  # torchrun and Ctrl-C signal every rank
+        signal.signal(signum, request_stop)
     try:
         dataset, metrics = open_process_inputs(config, island)
-        Learner(config, dataset, metrics, island=island).follow()
+        Learner(config, dataset, metrics, stop, island).follow()
     except (ValueError, OSError) as e:
         return _fail(prog, f"island rank {island.rank}: {e}")
     except Exception as e:  # rank 0 went away (its socket closed) or a collective timed out: the island is over
