@@ -19,6 +19,7 @@ from p2p_diloco.config import ADVERSARIES, COMPRESSIONS, REACHABILITY, PeerConfi
 
 if TYPE_CHECKING:  # torch-heavy modules load only when a process starts training, not for --help
     from p2p_diloco.data import DataSource
+    from p2p_diloco.island import Island
     from p2p_diloco.metrics import MetricsSink
 
 # flag -> (section, field)
@@ -205,18 +206,73 @@ def _fail(prog: str, message: str, code: int = 2) -> int:
     return code
 
 
-def open_process_inputs(config: PeerConfig) -> tuple[DataSource, MetricsSink]:
+def open_process_inputs(config: PeerConfig, island: Island | None = None) -> tuple[DataSource, MetricsSink]:
     """What every training process of a run opens first, the same way (a peer, and the benchmark's baselines,
-    which must read the same shard as a peer would): torch's thread count, the data shard and the metrics sink.
-    Raises ValueError or OSError with a one-line reason."""
+    which must read the same shard as a peer would): torch's thread count, the data shard (this rank's part of
+    it in a multi-rank island) and the metrics sink (none but on rank 0). Raises ValueError or OSError with a
+    one-line reason."""
     import torch
 
     from p2p_diloco.data import open_dataset
-    from p2p_diloco.metrics import open_sink
+    from p2p_diloco.metrics import NullSink, open_sink
 
     torch.set_num_threads(config.run.threads)
-    dataset = open_dataset(config.data, config.model.seq_len, config.inner.batch_size, config.run.seed)
+    data = island.shard(config.data) if island else config.data
+    dataset = open_dataset(data, config.model.seq_len, config.inner.batch_size, config.run.seed)
+    if island and not island.is_leader:
+        return dataset, NullSink()
     return dataset, open_sink(config.run.metrics_file, config.run.tensorboard_dir)
+
+
+def _start_island(config: PeerConfig) -> Island:
+    """This process's island: the torchrun ranks of the environment (RANK, WORLD_SIZE), or a single process."""
+    from p2p_diloco import island
+
+    return island.Island.from_environment(os.environ, island.collective_timeout_s(config))
+
+
+_FOLLOWER_GRACE_S = 10.0  # beyond rank 0's own shutdown wait; under torchrun's 30 s before it SIGKILLs
+
+
+def _leave_unless_stopped(rank: int, deadline_s: float) -> None:
+    """On SIGTERM or SIGINT a follower waits for rank 0's stop (it comes within one inner step and rank 0's
+    settling); past ``deadline_s`` rank 0 is taken for gone and the process leaves. torchrun signals the other
+    ranks when rank 0 dies, but rank 0's forked swarm processes keep its sockets open, so a collective would
+    otherwise wait for its full timeout."""
+    logging.getLogger("p2p_diloco.peer").info("rank %d stops when rank 0 does (at most %.0f s from now)", rank, deadline_s)
+
+    def leave() -> None:
+        print(f"island rank {rank}: rank 0 did not stop the island within {deadline_s:.0f} s; leaving", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(deadline_s, leave)
+    timer.daemon = True
+    timer.start()
+
+
+def _follow(config: PeerConfig, island: Island, prog: str) -> int:
+    """A rank other than 0 of a torchrun island: train in step with rank 0 until it stops; no swarm, no files."""
+    from p2p_diloco.learner import Learner
+
+    stop = threading.Event()  # ends a wait for the agreed start time; the training stops when rank 0 says so
+
+    def request_stop(*_: object) -> None:
+        stop.set()
+        _leave_unless_stopped(island.rank, config.run.shutdown_wait_s + _FOLLOWER_GRACE_S)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):  # torchrun and Ctrl-C signal every rank
+        signal.signal(signum, request_stop)
+    try:
+        dataset, metrics = open_process_inputs(config, island)
+        Learner(config, dataset, metrics, stop, island).follow()
+    except (ValueError, OSError) as e:
+        return _fail(prog, f"island rank {island.rank}: {e}")
+    except Exception as e:  # rank 0 went away (its socket closed) or a collective timed out: the island is over
+        return _fail(prog, f"island rank {island.rank} stopped: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}", code=1)
+    finally:
+        island.close()
+    print(f"island rank {island.rank} stopped", flush=True)
+    return 0
 
 
 def _run_peer(config: PeerConfig, prog: str) -> int:
@@ -230,8 +286,11 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
     from p2p_diloco.watch import SwarmWatch
 
     log = logging.getLogger("p2p_diloco.peer")
+    island = _start_island(config)
+    if not island.is_leader:
+        return _follow(config, island, prog)
     try:
-        dataset, metrics = open_process_inputs(config)
+        dataset, metrics = open_process_inputs(config, island)
     except (ValueError, OSError) as e:
         return _fail(prog, str(e))
     # what people watching see: the swarm as this peer knows it, in the terminal and (optionally) a web page
@@ -240,7 +299,7 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
     metrics = FanOutSink([metrics, watch, progress])
     stop = threading.Event()
     try:
-        learner = Learner(config, dataset, metrics, stop)
+        learner = Learner(config, dataset, metrics, stop, island)
         resumed = learner.resume() if config.run.resume else None
     except ValueError as e:
         metrics.close()
@@ -284,6 +343,7 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
         if monitor is not None:
             monitor.close()
         link.close()
+        island.close()
         # this program owns its children: p2pd and anything else a killed child orphaned go with it
         reap_descendants()
     print(f"peer {link.peer_id} stopped at outer step {learner.outer_step}", flush=True)

@@ -14,6 +14,9 @@
 
 A failed or partial round is a value handled in ``_complete_averaging``, never an exception unwinding the
 loop. The learner talks to the swarm only through ``Link``; it does not know hivemind exists.
+
+A multi-rank island (island.py) runs this loop on rank 0 and ``follow`` on the other ranks: the same inner
+steps, with rank 0's decisions and state broadcast at every inner step boundary (``_sync_island``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch
 from p2p_diloco import checkpoint
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import DataSource
-from p2p_diloco.link import AveragingOutcome, Link, SwarmState
+from p2p_diloco.island import Control, Island
+from p2p_diloco.link import AveragingOutcome, Link, LocalLink, SwarmState
 from p2p_diloco.metrics import MetricsSink
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import OuterOptimizer, Segment, params_sha256
@@ -100,13 +104,25 @@ class Interval:
 
 
 class Learner:
-    def __init__(self, config: PeerConfig, dataset: DataSource, metrics: MetricsSink, stop: threading.Event | None = None):
+    def __init__(
+        self,
+        config: PeerConfig,
+        dataset: DataSource,
+        metrics: MetricsSink,
+        stop: threading.Event | None = None,
+        island: Island | None = None,
+    ):
         self.config = config
         self.dataset, self.metrics = dataset, metrics
         self.stop = stop or threading.Event()
-        self.model = build_model(config.model, config.run.seed)  # same seed on every peer: same start bytes
+        self.island = island or Island()  # one rank of one by default
+        # same seed on every peer: same start bytes. Local params live on the island's device (a GPU, or the CPU)
+        self.model = build_model(config.model, config.run.seed).to(self.island.device)
+        self.train_model = self.island.wrap(self.model)  # what the inner steps call: DDP across the island's ranks
         self.params = list(self.model.parameters())
-        self.global_params = [p.detach().clone() for p in self.params]
+        # global params and the outer step stay fp32 on the CPU everywhere, so that a GPU island and a CPU peer
+        # compute the same bytes (outer.py); values cross between the two devices at the outer step only
+        self.global_params = [p.detach().cpu().clone() for p in self.params]
         self.outer = OuterOptimizer(self.global_params, config.outer)
         self.inner = torch.optim.AdamW(self.params, lr=config.inner.lr, weight_decay=config.inner.weight_decay)
         self.outer_step = 0
@@ -182,10 +198,7 @@ class Learner:
 
     def run(self, link: Link) -> None:
         """Train until max_outer_steps, max_time_s or ``stop``; writes one metrics record per outer step."""
-        wait_s = self.config.run.start_at_unix - time.time()
-        if wait_s > 0:  # peers launched together begin together (a benchmark's swarms, a planned start)
-            logger.info("waiting %.0f s for the agreed start time", wait_s)
-            self.stop.wait(wait_s)
+        self._wait_for_start()
         self._started = time.monotonic()
         self.peer_id = link.peer_id
         resumed = f"resumed from {self.resumed_from}" if self.resumed_from else ""
@@ -194,16 +207,49 @@ class Learner:
         self._catch_up(link)
         self.round_started = time.monotonic()
         try:
-            while not self._should_stop():
+            self._share_start()
+            stop = self._sync_island(self._should_stop()).stop
+            while not stop:
                 self._inner_step(link)
                 if self.pending is not None and self.pending.future.done():
                     self._complete_averaging(link)
                 if not self._should_stop() and self._round_is_over(link):
                     self._end_round(link)
+                stop = self._sync_island(self._should_stop()).stop  # the other ranks of the island do as rank 0 says
             self._settle_pending(link)
+            self._sync_island(True)  # an averaging that landed while settling reaches the other ranks too
         finally:
             if self.config.run.checkpoint_dir:
                 self.save_checkpoint()
+
+    def follow(self) -> None:
+        """A rank other than 0 of a multi-rank island: the same inner steps as rank 0 (DDP keeps them
+        identical) until rank 0 says stop; rank 0's global state replaces ours whenever it changes."""
+        self._wait_for_start()
+        self._share_start()
+        link = LocalLink()  # never used for averaging: only rank 0 talks to the swarm
+        control = self._sync_island(False)
+        while not control.stop:
+            self._inner_step(link)
+            control = self._sync_island(False)
+            self.outer_step = control.outer_step
+        self._sync_island(True)
+
+    def _wait_for_start(self) -> None:
+        wait_s = self.config.run.start_at_unix - time.time()
+        if wait_s > 0:  # peers launched together begin together (a benchmark's swarms, a planned start)
+            logger.info("waiting %.0f s for the agreed start time", wait_s)
+            self.stop.wait(wait_s)
+
+    def _share_start(self) -> None:
+        """Rank 0's inner optimizer state and data position to the island's other ranks (a resume, say)."""
+        state = self.island.share_start(dict(inner=self.inner.state_dict(), position=self.dataset.train.position))
+        if not self.island.is_leader:
+            self.inner.load_state_dict(state["inner"])
+            self.dataset.train.position = state["position"]
+
+    def _sync_island(self, stop: bool) -> Control:
+        return self.island.sync(stop, self.outer_step, self.global_sha256, self.params, self.global_params)
 
     def _settle_pending(self, link: Link) -> None:
         """At the end of a run, give an averaging still in flight a bounded time to land, so that its result
@@ -234,7 +280,8 @@ class Learner:
         started = time.monotonic()
         self.model.train()
         inputs, targets = self.dataset.train.next_batch()
-        loss = self.model(inputs, targets)
+        with self.island.autocast():
+            loss = self.train_model(inputs.to(self.island.device), targets.to(self.island.device))
         self.inner.zero_grad(set_to_none=True)
         loss.backward()
         if self.config.inner.grad_clip_norm:
@@ -243,7 +290,7 @@ class Learner:
         if self.config.inner.throttle > 1:  # emulate older hardware: each step takes `throttle` times as long
             time.sleep((self.config.inner.throttle - 1) * (time.monotonic() - started))
         elapsed = time.monotonic() - started
-        tokens = inputs.numel()
+        tokens = inputs.numel() * self.island.size  # the island's tokens: every rank read a batch of its own sub-shard
         self.compute_s += elapsed
         self.tokens_total += tokens
         self.unsynced_by_fragment = [count + tokens for count in self.unsynced_by_fragment]
@@ -305,7 +352,7 @@ class Learner:
         fragment = self.outer_step % len(self.fragments)
         segments = self.fragments[fragment]
         snapshot = [s.of(self.params).detach().clone() for s in segments]
-        outer_grads = [s.of(self.global_params) - local for s, local in zip(segments, snapshot)]
+        outer_grads = [s.of(self.global_params) - local.cpu() for s, local in zip(segments, snapshot)]
         weight = float(self.tokens_unsynced)
         what = f"fragment {fragment + 1}/{len(self.fragments)}" if len(self.fragments) > 1 else "outer gradient"
         logger.info("outer step %d: averaging started (%s, weight %d tokens)", self.outer_step, what, weight)
@@ -338,7 +385,7 @@ class Learner:
             with torch.no_grad():  # local_params <- new_global + (local_params - snapshot): keep the work done since
                 for segment, snapshot in zip(segments, pending.snapshot):
                     param = segment.of(self.params)
-                    param.copy_(segment.of(self.global_params) + (param - snapshot))  # exactly new_global if idle
+                    param.copy_(segment.of(self.global_params).to(param.device) + (param - snapshot))  # new_global if idle
             self.unsynced_by_fragment[pending.fragment] -= int(pending.weight)
             self._remember_round(pending.outer_step, outcome.peers)
             self.unconfirmed = None
@@ -380,10 +427,10 @@ class Learner:
         with torch.no_grad(), self._state_lock:
             if applied is not None:  # that fragment's progress up to the snapshot is in the new global already
                 for segment, snapshot in zip(applied.segments, applied.snapshot):
-                    segment.of(self.params).add_(segment.of(self.global_params) - snapshot)
+                    segment.of(self.params).add_((segment.of(self.global_params) - snapshot.cpu()).to(self.island.device))
                 self.unsynced_by_fragment[applied.fragment] -= int(applied.weight)
             for param, old, new in zip(self.params, self.global_params, state.global_params):
-                param.add_(new - old)  # local_params <- new_global + (local_params - old_global)
+                param.add_((new - old).to(param.device))  # local_params <- new_global + (local_params - old_global)
                 old.copy_(new)
             self.outer.load_state(state.momentum, state.outer_steps_taken)
             self.outer_step, self.global_sha256 = state.outer_step, state.global_sha256
@@ -441,10 +488,11 @@ class Learner:
     def evaluate(self) -> float:
         """Held-out loss of the *global* params (the model the swarm shares), not of our local progress."""
         names = [name for name, _ in self.model.named_parameters()]
-        weights = dict(zip(names, self.global_params))
+        device = self.island.device
+        weights = dict(zip(names, (p.to(device) for p in self.global_params)))
         self.model.eval()
         losses = [
-            torch.func.functional_call(self.model, weights, (inputs, targets)).item()
+            torch.func.functional_call(self.model, weights, (inputs.to(device), targets.to(device))).item()
             for inputs, targets in self._eval_batches
         ]
         self.model.train()
