@@ -99,7 +99,7 @@ def test_overlap_token_weights_and_a_peer_that_misses_rounds(tmp_path, reaper):
     """Training goes on while averaging; weights are tokens; a peer frozen for a while rejoins without a fork."""
     swarm = local_swarm(tmp_path, reaper)
     for index in range(3):
-        swarm.start(f"peer{index}", shard=index, num_shards=3, extra=["--max-time-s", "110"])
+        swarm.start(f"peer{index}", shard=index, num_shards=3, extra=["--max-time-s", "180"])  # stopped by the test once it has seen what it needs
     swarm.wait_until(lambda: all(_grouped(swarm.records(f"peer{i}"), 3) for i in range(3)), 100, "a group of 3")
 
     frozen = swarm.peers["peer2"]
