@@ -49,7 +49,8 @@ def test_three_peers_agree_learn_and_admit_a_late_joiner(tmp_path, reaper):
     assert all(r["bytes_sent"] > 0 for r in founder_rounds if r["group_size"] > 1)
     # loss falls clearly on held-out data
     initial = records["peer0"][0]["eval_loss"]
-    final = records["peer0"][-1]["eval_loss"]
+    # the newest evaluated record: a peer's last round can fail as the others stop (a failed round has no eval)
+    final = [r["eval_loss"] for r in records["peer0"] if r.get("eval_loss") is not None][-1]
     assert final < initial - 1.5, (initial, final)
 
     # the late joiner downloaded the state, reached the swarm's sha256, then contributed
