@@ -22,6 +22,19 @@ def make_dataset(config: PeerConfig) -> DataSource:
     return open_dataset(config.data, config.model.seq_len, config.inner.batch_size, config.run.seed)
 
 
+def run_learner(config: PeerConfig):
+    """Build a learner (resuming if the config says so) and run it alone to its stop, with the int8 codec."""
+    from p2p_diloco.learner import Learner
+    from p2p_diloco.link import LocalLink
+    from p2p_diloco.metrics import NullSink
+
+    learner = Learner(config, make_dataset(config), NullSink())
+    if config.run.resume:
+        learner.resume()
+    learner.run(LocalLink("int8"))
+    return learner
+
+
 def snapshot(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().clone() for t in tensors]
 

@@ -12,14 +12,18 @@ import torch.nn.functional as F
 
 from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, PeerConfig, RunConfig
 from p2p_diloco.hf_model import CausalLM
-from p2p_diloco.learner import Learner
-from p2p_diloco.link import LocalLink
-from p2p_diloco.metrics import NullSink
 from p2p_diloco.model import build_model
 from p2p_diloco.preflight import check_model_and_data
 from p2p_diloco.text_data import load_tokenizer, vocab_size
 
-from .helpers import assert_all_close, documents, make_dataset, train_tokenizer, write_model_config, write_parquet
+from .helpers import (
+    assert_all_close,
+    documents,
+    run_learner,
+    train_tokenizer,
+    write_model_config,
+    write_parquet,
+)
 
 SEQ_LEN = 16
 
@@ -106,24 +110,16 @@ def _config(files: SimpleNamespace, directory, max_outer_steps: int, resume: boo
     )
 
 
-def _run(config: PeerConfig) -> Learner:
-    learner = Learner(config, make_dataset(config), NullSink())
-    if config.run.resume:
-        learner.resume()
-    learner.run(LocalLink("int8"))
-    return learner
-
-
-def test_a_transformers_model_on_files_stops_and_resumes_like_an_uninterrupted_run(files, tmp_path):
-    straight = _run(_config(files, tmp_path / "straight", 4))
-    _run(_config(files, tmp_path / "stopped", 2))
-    resumed = _run(_config(files, tmp_path / "stopped", 4, resume=True))
+def test_a_transformers_model_on_files_stops_and_resumes_like_an_uninterruptedrun_learner(files, tmp_path):
+    straight = run_learner(_config(files, tmp_path / "straight", 4))
+    run_learner(_config(files, tmp_path / "stopped", 2))
+    resumed = run_learner(_config(files, tmp_path / "stopped", 4, resume=True))
     assert resumed.outer_step == straight.outer_step == 4
     assert resumed.dataset.train.position == straight.dataset.train.position == 8
     assert resumed.global_sha256 == straight.global_sha256
     assert_all_close(resumed.global_params, straight.global_params, rtol=0, atol=0)
     assert_all_close(list(resumed.model.parameters()), list(straight.model.parameters()), rtol=0, atol=0)
-    assert straight.evaluate() < _run(_config(files, tmp_path / "short", 1)).evaluate()
+    assert straight.evaluate() < run_learner(_config(files, tmp_path / "short", 1)).evaluate()
 
 
 @pytest.mark.parametrize(

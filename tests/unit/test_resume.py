@@ -13,7 +13,7 @@ from p2p_diloco.learner import Learner
 from p2p_diloco.link import LocalLink
 from p2p_diloco.metrics import NullSink
 
-from .helpers import assert_all_close, make_dataset, snapshot
+from .helpers import assert_all_close, make_dataset, run_learner, snapshot
 
 
 def _config(make_config, directory, max_outer_steps, resume=False, **model):
@@ -28,18 +28,10 @@ def _config(make_config, directory, max_outer_steps, resume=False, **model):
     )
 
 
-def _run(config) -> Learner:
-    learner = Learner(config, make_dataset(config), NullSink())
-    if config.run.resume:
-        learner.resume()
-    learner.run(LocalLink("int8"))
-    return learner
+def test_stop_and_resume_equals_an_uninterruptedrun_learner(tmp_path, make_config):
+    straight = run_learner(_config(make_config, tmp_path / "straight", 4))
 
-
-def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path, make_config):
-    straight = _run(_config(make_config, tmp_path / "straight", 4))
-
-    first = _run(_config(make_config, tmp_path / "split", 2))
+    first = run_learner(_config(make_config, tmp_path / "split", 2))
     assert first.outer_step == 2
     resumed = Learner(_config(make_config, tmp_path / "split", 4, resume=True), make_dataset(first.config), NullSink())
     used = resumed.resume()
@@ -65,7 +57,7 @@ def test_a_fresh_folder_resumes_nothing(tmp_path, make_config):
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "flip_a_param"])
 def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path, make_config, caplog, damage):
-    _run(_config(make_config, tmp_path, 3))
+    run_learner(_config(make_config, tmp_path, 3))
     newest = tmp_path / "outer_step_00000003.pt"
     data = newest.read_bytes()
     if damage == "truncate":
@@ -85,7 +77,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path
 
 
 def test_no_usable_checkpoint_is_an_error_naming_the_file(tmp_path, make_config):
-    _run(_config(make_config, tmp_path, 1))
+    run_learner(_config(make_config, tmp_path, 1))
     only = tmp_path / "outer_step_00000001.pt"
     only.write_bytes(b"truncated")
     learner = Learner(_config(make_config, tmp_path, 2, resume=True), make_dataset(_config(make_config, tmp_path, 2)), NullSink())
@@ -95,7 +87,7 @@ def test_no_usable_checkpoint_is_an_error_naming_the_file(tmp_path, make_config)
 
 
 def test_a_checkpoint_of_another_model_is_refused_and_leaves_the_learner_as_it_was(tmp_path, make_config):
-    _run(_config(make_config, tmp_path, 1))
+    run_learner(_config(make_config, tmp_path, 1))
     other = _config(make_config, tmp_path, 2, resume=True, n_layers=1, d_model=16, n_heads=2, seq_len=16)
     learner = Learner(other, make_dataset(other), NullSink())
     before = snapshot(learner.params)
