@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.config import ADVERSARIES, COMPRESSIONS, REACHABILITY, PeerConfig, build_config, load_toml
@@ -72,6 +73,7 @@ _FLAG_FIELDS = {
     "monitor_host": ("run", "monitor_host"),
     "progress_period_s": ("swarm", "progress_period_s"),
     "swarm_key_file": ("swarm", "swarm_key_file"),
+    "allow_list": ("swarm", "allow_list_file"),
     "adversary": ("swarm", "adversary"),
     "reachability": ("swarm", "reachability"),
     "relay": ("swarm", "relays"),
@@ -102,6 +104,7 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     swarm.add_argument("--state-timeout-s", type=float, default=s, help=f"seconds allowed for downloading the swarm's state (default {d.swarm.state_timeout_s})")
     swarm.add_argument("--progress-period-s", type=float, default=s, help=f"seconds between this peer's progress records in the DHT; shorter tracks round ends more closely at more background traffic (default {d.swarm.progress_period_s})")
     swarm.add_argument("--swarm-key-file", default=s, metavar="PATH", help="close the run: a file with a secret (>= 16 bytes) that every member holds; only members can store DHT records, average or download state (default: an open run)")
+    swarm.add_argument("--allow-list", default=s, metavar="PATH", help="close the run to the public keys listed in this file (one per line, as --show-identity prints them); only listed peers can store DHT records, average or download state; needs --identity")
     swarm.add_argument("--reachability", choices=REACHABILITY, default=s, help="how this peer takes part: direct (others can dial it), relay (behind a NAT or firewall: reachable through a relay peer), client (dial out only: sends its outer gradient and receives the average, reduces no part); auto asks an initial peer to dial back and picks the best that works (default auto)")
     swarm.add_argument("--relay", nargs="+", default=s, metavar="MULTIADDR", help="relay peers to use when behind a NAT (default: the initial peers)")
     swarm.add_argument("--relay-service", action=argparse.BooleanOptionalAction, default=s, help="relay for peers behind a NAT when this peer is reachable; --no-relay-service refuses (default on)")
@@ -191,14 +194,33 @@ def peer_main(argv: list[str] | None = None, prog: str = "p2p-diloco peer") -> i
     parser = _OneLineParser(prog=prog, description="Run one p2p-diloco learner island.")
     parser.add_argument("--config", metavar="FILE", help="TOML file with [model] [data] [inner] [outer] [swarm] [run] sections; flags override it")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log verbosity on stderr (default INFO)")
+    parser.add_argument("--show-identity", action="store_true", help="print the public key and peer id of --identity PATH (made first if missing), the line to put on a closed run's --allow-list, and exit")
     add_peer_flags(parser)
     args = parser.parse_args(argv)
+    if args.show_identity:
+        return _show_identity(getattr(args, "identity", None), prog)
     try:
         config = resolve_config(args)
     except ValueError as e:
         return _fail(prog, str(e))
     _configure_logging(args.log_level)
     return _run_peer(config, prog)
+
+
+def _show_identity(path: str | None, prog: str) -> int:
+    """Prints ``<public key>  # peer <peer id>``: one line of an allow-list."""
+    if not path:
+        return _fail(prog, "--show-identity needs --identity PATH (the key file to show, made if missing)")
+    from p2p_diloco.membership import load_identity
+    from p2p_diloco.preflight import check_identity_file
+
+    try:
+        check_identity_file(Path(path))
+        identity = load_identity(path)
+    except ValueError as e:
+        return _fail(prog, str(e))
+    print(f"{identity.public_key}  # peer {identity.peer_id}", flush=True)
+    return 0
 
 
 def _fail(prog: str, message: str, code: int = 2) -> int:

@@ -175,6 +175,7 @@ class SwarmConfig:
     progress_ttl_s: float = 20.0  # a peer whose progress record is older than this counts as gone
     startup_timeout_s: float = 60.0  # bound on joining the DHT at start
     swarm_key_file: str | None = None  # secret shared by the members of a closed run; None = an open run
+    allow_list_file: str | None = None  # the members' public keys, one per line: closes the run without a shared secret
     reachability: str = "auto"  # auto (ask a peer to dial back), direct, relay (behind NAT) or client (dial out only)
     relays: tuple[str, ...] = ()  # relay peers for a peer behind NAT; empty = the initial peers
     relay_service: bool = True  # relay for peers behind NAT when this peer is reachable (bounded by p2pd's limits)

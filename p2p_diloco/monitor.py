@@ -129,13 +129,14 @@ def monitor_main(argv: list[str] | None = None, prog: str = "monitor.py") -> int
     parser.add_argument("--port", type=int, default=8470, help="TCP port of the page (default 8470; 0: any free port)")
     parser.add_argument("--host", default="127.0.0.1", help="address the page listens on (default 127.0.0.1: this machine only)")
     parser.add_argument("--swarm-key-file", metavar="PATH", help="the run's swarm key, if it is a closed run (records are checked with it)")
+    parser.add_argument("--allow-list", metavar="PATH", help="the run's allow-list, if it is closed by one (records are checked against it)")
     parser.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], metavar="MULTIADDR", help="where the DHT client listens")
     parser.add_argument("--period-s", type=float, default=1.0, help="seconds between reads of the progress records (default 1)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
     try:
         config = SwarmConfig(run_id=args.run_id, initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
-                             swarm_key_file=args.swarm_key_file)
+                             swarm_key_file=args.swarm_key_file, allow_list_file=args.allow_list)
         _check_monitor_args(config, args.port, args.period_s)
     except ValueError as e:
         return _fail(prog, str(e))
@@ -144,7 +145,7 @@ def monitor_main(argv: list[str] | None = None, prog: str = "monitor.py") -> int
 
 
 def _check_monitor_args(config: SwarmConfig, port: int, period_s: float) -> None:
-    from p2p_diloco.membership import load_swarm_key
+    from p2p_diloco.membership import RunMembership
     from p2p_diloco.swarm import check_multiaddr
 
     for address in config.initial_peers:
@@ -155,13 +156,12 @@ def _check_monitor_args(config: SwarmConfig, port: int, period_s: float) -> None
         raise ValueError(f"--port must be a TCP port in [0, 65535], got {port}")
     if not 0.1 <= period_s <= 3600:
         raise ValueError(f"--period-s must be in [0.1, 3600] seconds, got {period_s}")
-    if config.swarm_key_file:
-        load_swarm_key(config.swarm_key_file)
+    RunMembership.from_files(config.swarm_key_file, config.allow_list_file, None)  # the files can be read
 
 
 def _watch_run(config: SwarmConfig, host: str, port: int, period_s: float, prog: str) -> int:
     from p2p_diloco.cli import _fail
-    from p2p_diloco.membership import MemberRecordValidator, load_swarm_key
+    from p2p_diloco.membership import RunMembership
     from p2p_diloco.swarm import SwarmStartError, close_dht, read_progress, reap_descendants, start_dht
 
     watch = SwarmWatch(config.run_id, period_s=period_s)
@@ -172,8 +172,8 @@ def _watch_run(config: SwarmConfig, host: str, port: int, period_s: float, prog:
     stop = threading.Event()
     dht = None
     try:
-        validators = [MemberRecordValidator(load_swarm_key(config.swarm_key_file))] if config.swarm_key_file else []
-        dht = start_dht(config, validators, mode="client")
+        membership = RunMembership.from_files(config.swarm_key_file, config.allow_list_file, None)
+        dht = start_dht(config, membership.validators, mode="client")
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
         progress_key = f"{config.run_id}.progress"
@@ -181,7 +181,7 @@ def _watch_run(config: SwarmConfig, host: str, port: int, period_s: float, prog:
         print(f"watching run '{config.run_id}': open {server.url}", flush=True)
         if not stop.wait(_QUIET_WARNING_S) and not watch.snapshot()["peers"]:
             logger.warning("no progress records of run '%s' after %.0f s: is the run id right? A closed run needs "
-                           "its --swarm-key-file", config.run_id, _QUIET_WARNING_S)
+                           "its --swarm-key-file or --allow-list", config.run_id, _QUIET_WARNING_S)
         stop.wait()
     except SwarmStartError as e:
         return _fail(prog, f"could not join the swarm: {e}", code=1)

@@ -25,6 +25,10 @@ def check_local_inputs(config: PeerConfig) -> None:
     """All the checks below that apply to ``config``; raises ValueError at the first problem."""
     if config.swarm.identity_path:
         check_identity_file(Path(config.swarm.identity_path))
+    if config.swarm.allow_list_file:
+        if not config.swarm.identity_path:
+            raise ValueError("--allow-list needs --identity PATH: the key this peer runs and signs as")
+        check_on_allow_list(Path(config.swarm.identity_path), Path(config.swarm.allow_list_file))
     if config.run.checkpoint_dir:
         checkpoint.check_folder(config.run.checkpoint_dir, config.run.resume)
     if config.run.metrics_file:
@@ -91,6 +95,18 @@ def check_identity_file(path: Path) -> None:
     except Exception:
         raise ValueError(f"identity file {path} does not hold a libp2p private key "
                          "(remove it, or pass another --identity, to have a new one made)") from None
+
+
+def check_on_allow_list(identity_path: Path, allow_list_path: Path) -> None:
+    """The allow-list can be read and lists this peer's public key, so that the others will take it in."""
+    from p2p_diloco.membership import AllowList, load_identity
+
+    allow_list = AllowList(allow_list_path)
+    if not identity_path.exists():
+        raise ValueError(f"identity file {identity_path} does not exist yet, so it cannot be on the allow-list "
+                         f"{allow_list_path}: make it with --identity {identity_path} --show-identity and have "
+                         "the public key it prints added to the list")
+    allow_list.check_member(load_identity(identity_path, create=False), identity_path)
 
 
 def check_tensorboard_dir(path: Path) -> None:

@@ -30,7 +30,7 @@ from p2p_diloco.config import SwarmConfig
 from p2p_diloco.guarded import GuardedAllReduceRunner, GuardedAverager
 from p2p_diloco.joining import SwarmStartError, first_line, join_swarm, start_dht  # noqa: F401 (re-exported)
 from p2p_diloco.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
-from p2p_diloco.membership import MemberCheck, MemberRecordValidator, load_swarm_key
+from p2p_diloco.membership import RunMembership
 from p2p_diloco.outer import params_sha256
 from p2p_diloco.robust import TokenLedger
 
@@ -110,18 +110,15 @@ class SwarmLink:
     ):
         self.config = config
         try:
-            swarm_key = load_swarm_key(config.swarm_key_file) if config.swarm_key_file else None
+            membership = RunMembership.from_files(config.swarm_key_file, config.allow_list_file, config.identity_path)
         except ValueError as e:
             raise SwarmStartError(str(e)) from None
-        self.dht, self.reachability = join_swarm(config, [MemberRecordValidator(swarm_key)] if swarm_key else [])
+        self.dht, self.reachability = join_swarm(config, membership.validators)
         client = self.reachability.mode == "client"
         self.peer_id = self.dht.peer_id.to_base58()
         self._progress_key = f"{config.run_id}.progress"
         self._fragments, self._ledger = fragments, TokenLedger()
-        if swarm_key:
-            logger.info("closed run: only holders of the swarm key in %s can store records, average or download state", config.swarm_key_file)
-        else:
-            logger.info("open run: anyone who can reach this swarm can join its averaging (no --swarm-key-file)")
+        logger.info(membership.describe())
         self.codec = make_codec(config.compression)
         # one residual per streaming fragment: outer step r carries fragment r % fragments
         self._error_feedback = [ErrorFeedback(self.codec) for _ in range(fragments)] if config.compression == "int4" else None
@@ -135,7 +132,7 @@ class SwarmLink:
                 wire_codec=WireCodec(self.codec, part_values_for(self.codec, sum(t.numel() for t in template))),
                 state_provider=state_provider,
                 runner_class=self.runner_class,
-                membership=MemberCheck(self.dht, self._progress_key) if swarm_key else None,
+                membership=membership.check(self.dht, self._progress_key),
                 prefix=f"{config.run_id}_averaging",
                 start=True,
                 min_matchmaking_time=config.matchmaking_time_s,

@@ -21,7 +21,14 @@ from p2p_diloco.adversary import GarbageReducerRunner, RawWireRunner
 from p2p_diloco.averaging import WireCodec, part_values_for, run_averaging
 from p2p_diloco.compression import make_codec
 from p2p_diloco.guarded import GuardedAllReduceRunner, GuardedAverager
-from p2p_diloco.membership import MemberCheck, MemberRecordValidator, load_swarm_key
+from p2p_diloco.membership import (
+    AllowList,
+    AllowListValidator,
+    MemberCheck,
+    MemberRecordValidator,
+    load_identity,
+    load_swarm_key,
+)
 from p2p_diloco.report import check_invariant_1
 
 from .harness import local_swarm
@@ -36,12 +43,13 @@ def _state() -> tuple[dict, list[torch.Tensor]]:
     return {"outer_step": 0}, [torch.zeros(4)]
 
 
-def _dhts(validators_by_peer: list[list]) -> list[DHT]:
-    first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators_by_peer[0])
+def _dhts(validators_by_peer: list[list], identities: list | None = None) -> list[DHT]:
+    extra = [{"identity_path": str(path)} if path else {} for path in identities or [None] * len(validators_by_peer)]
+    first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators_by_peer[0], **extra[0])
     address = [str(a) for a in first.get_visible_maddrs()]
     return [first] + [
-        DHT(start=True, initial_peers=address, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators)
-        for validators in validators_by_peer[1:]
+        DHT(start=True, initial_peers=address, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators, **more)
+        for validators, more in zip(validators_by_peer[1:], extra[1:])
     ]
 
 
@@ -140,14 +148,29 @@ async def _ask_to_join(stranger: DHT, member_id) -> int:
     return message.code
 
 
-def test_a_stranger_cannot_write_records_join_a_group_or_download_state(tmp_path):
-    key_file = tmp_path / "swarm.key"
-    key_file.write_text("the members' shared secret, 32+ bytes long")
-    key = load_swarm_key(key_file)
-    dhts = _dhts([[MemberRecordValidator(key)], [MemberRecordValidator(key)], []])  # the third holds no key
+def _closed_run(kind: str, tmp_path) -> tuple[list[DHT], set[str] | None]:
+    """Two members and a stranger's DHTs, and the peer ids the members' averagers admit (None: a signed record)."""
+    if kind == "swarm_key":
+        key_file = tmp_path / "swarm.key"
+        key_file.write_text("the members' shared secret, 32+ bytes long")
+        key = load_swarm_key(key_file)
+        return _dhts([[MemberRecordValidator(key)], [MemberRecordValidator(key)], []]), None  # the third holds no key
+    paths = [tmp_path / f"{name}.key" for name in ("member0", "member1", "stranger")]
+    identities = [load_identity(path) for path in paths]
+    (tmp_path / "allow").write_text("".join(f"{identity.public_key}  # {identity.peer_id}\n" for identity in identities[:2]))
+    allow_list = AllowList(tmp_path / "allow")
+    # the stranger signs its records with its own key, as a member would: the key is not on the list
+    dhts = _dhts([[AllowListValidator(identity, allow_list)] for identity in identities], paths)
+    assert [dht.peer_id.to_base58() for dht in dhts] == [identity.peer_id for identity in identities]
+    return dhts, allow_list.peer_ids
+
+
+@pytest.mark.parametrize("kind", ["swarm_key", "allow_list"])
+def test_a_stranger_cannot_write_records_join_a_group_or_download_state(tmp_path, kind):
+    dhts, allowed = _closed_run(kind, tmp_path)
     for dht in dhts:
         _publish_progress(dht)
-    averagers = [_averager(dht, membership=MemberCheck(dht, PROGRESS_KEY)) for dht in dhts[:2]]
+    averagers = [_averager(dht, membership=MemberCheck(dht, PROGRESS_KEY, allowed=allowed)) for dht in dhts[:2]]
     averagers.append(_averager(dhts[2]))
     members = {dht.peer_id.to_base58() for dht in dhts[:2]}
     try:
