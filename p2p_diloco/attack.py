@@ -4,7 +4,12 @@ against a calm run of the same honest swarm (DESIGN.md §3.5, issue 6).
 Every scenario runs the same honest swarm: ``honest0`` and ``honest1`` from the start, ``honest2`` beginning
 ``LATE_START_S`` later (so it downloads the state, which the wrong-donor attack targets), all stopping at the same
 outer step. The adversaries are real peers started with the hidden ``--adversary`` flag
-(adversary.py); the stranger of ``non_member`` is an honest peer without the swarm key of a closed run.
+(adversary.py); the stranger of ``non_member`` is an honest peer without the swarm key of a closed run, that of
+``non_member_allow_list`` an honest peer whose own key is not on a closed run's allow-list (it signs its records
+and lists the members' keys too, so it accepts theirs: the strongest stranger).
+
+The calm run is repeated (``--calm-runs``): the spread between calm runs is the noise of the measure, and each
+attack is compared with their mean.
 
 Per scenario, from the peers' own metrics, logs and final checkpoints:
 
@@ -36,7 +41,8 @@ from p2p_diloco import checkpoint
 from p2p_diloco.launcher import LocalSwarm, wait_for_address
 from p2p_diloco.report import check_invariant_1
 
-SCENARIOS = ("calm", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor", "non_member")
+SCENARIOS = ("calm", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor", "non_member", "non_member_allow_list")
+STRANGERS = ("non_member", "non_member_allow_list")
 HONEST = ("honest0", "honest1", "honest2")
 LATE_START_S = 8.0  # honest2 begins this much after the others, when the swarm is a few outer steps ahead
 DEFAULT_FLAGS = [
@@ -46,29 +52,33 @@ DEFAULT_FLAGS = [
 ]
 
 
-def run_scenario(name: str, out_dir: Path, flags: list[str], outer_steps: int, timeout_s: float) -> dict[str, Any]:
-    """Run one scenario in ``out_dir/name`` and return its figures (``analyse``)."""
-    folder = out_dir / name
+def run_scenario(name: str, out_dir: Path, flags: list[str], outer_steps: int, timeout_s: float,
+                 run: str | None = None) -> dict[str, Any]:
+    """Run one scenario in ``out_dir/run`` (default: its name) and return its figures (``analyse``)."""
+    run = run or name
+    folder = out_dir / run
     shutil.rmtree(folder, ignore_errors=True)  # a retried scenario starts clean (its peers must not resume)
+    folder.mkdir(parents=True)
     # the first peer starts the swarm, the others join through it; all begin training together (a busy machine
     # takes tens of seconds to start a peer)
     start_at = time.time() + 90
-    common = [*flags, "--run-id", f"attack-{name}", "--max-outer-steps", str(outer_steps)]
-    key = []
+    common = [*flags, "--run-id", f"attack-{run}", "--max-outer-steps", str(outer_steps)]
+    closed = {peer: [] for peer in (*HONEST, "adversary")}
     if name == "non_member":
         key_file = folder / "swarm.key"
-        folder.mkdir(parents=True, exist_ok=True)
         key_file.write_text(secrets.token_hex(32))
-        key = ["--swarm-key-file", str(key_file)]
+        closed.update({peer: ["--swarm-key-file", str(key_file)] for peer in HONEST})  # the adversary has none
+    elif name == "non_member_allow_list":
+        closed = _allow_list_flags(folder)
     swarm = LocalSwarm(folder, common)
     started = time.monotonic()
     try:
         for index, peer in enumerate(HONEST):  # honest2 begins LATE_START_S after the others: it downloads the state
             begin = ["--start-at", f"{start_at + (LATE_START_S if peer == 'honest2' else 0):.1f}"]
-            swarm.start(peer, shard=index, num_shards=4, extra=[*key, *begin, *_own_checkpoints(folder, peer)])
+            swarm.start(peer, shard=index, num_shards=4, extra=[*closed[peer], *begin, *_own_checkpoints(folder, peer)])
         begin = ["--start-at", f"{start_at:.1f}"]
-        if name == "non_member":
-            swarm.start("adversary", shard=3, num_shards=4, extra=begin)  # no key
+        if name in STRANGERS:
+            swarm.start("adversary", shard=3, num_shards=4, extra=[*closed["adversary"], *begin])
         elif name != "calm":
             swarm.start("adversary", shard=3, num_shards=4, extra=[*begin, "--adversary", name])
         for peer in swarm.peers.values():
@@ -77,6 +87,21 @@ def run_scenario(name: str, out_dir: Path, flags: list[str], outer_steps: int, t
     finally:
         swarm.stop_all()
     return analyse(name, folder, swarm.all_records(), time.monotonic() - started)
+
+
+def _allow_list_flags(folder: Path) -> dict[str, list[str]]:
+    """Each peer's identity; the members' list holds the honest peers' keys, the stranger's list theirs and its own."""
+    from p2p_diloco.membership import load_identity
+
+    identities = {peer: load_identity(folder / f"{peer}.key") for peer in (*HONEST, "adversary")}
+    members = "".join(f"{identities[peer].public_key}  # {peer}\n" for peer in HONEST)
+    (folder / "members.txt").write_text(members)
+    (folder / "stranger.txt").write_text(members + f"{identities['adversary'].public_key}  # adversary\n")
+    return {
+        peer: ["--identity", str(folder / f"{peer}.key"),
+               "--allow-list", str(folder / ("stranger.txt" if peer == "adversary" else "members.txt"))]
+        for peer in identities
+    }
 
 
 def _own_checkpoints(folder: Path, peer: str) -> list[str]:
@@ -140,24 +165,30 @@ def _log_names(path: Path, peer_id: str) -> bool:
 
 
 def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each scenario's row of the table, against the calm run."""
-    calm = next(r for r in results if r["scenario"] == "calm")
+    """Each scenario's row of the table, against the mean of the calm runs (a calm run's own row shows how far
+    it lies from that mean: the noise of the measure)."""
+    calms = [r for r in results if r["scenario"] == "calm"]
+    losses = [r["final_eval_loss"] for r in calms if r["final_eval_loss"] is not None]
+    finishes = [r["honest_finish_s"] for r in calms if r["honest_finish_s"] is not None]
+    base = sum(losses) / len(losses) if losses else None
+    base_finish = sum(finishes) / len(finishes) if finishes else None
     rows = []
     for result in results:
-        loss, base = result["final_eval_loss"], calm["final_eval_loss"]
+        loss = result["final_eval_loss"]
         change = (loss - base) / base if loss is not None and base else None
         named = bool(result["adversary_named_in_metrics_by"]) or (
-            result["scenario"] == "non_member" and not result["adversary_in_honest_group"]
+            result["scenario"] in STRANGERS and not result["adversary_in_honest_group"]
         )
         rows.append(dict(
             scenario=result["scenario"],
+            run=result.get("run", result["scenario"]),
             final_outer_step=result["final_outer_step"],
             eval_loss=loss,
             eval_loss_vs_calm=round(change, 4) if change is not None else None,
             honest_non_finite=result["honest_non_finite"],
             invariant_1=result["invariant_1"]["held"],
-            delay_s=round(result["honest_finish_s"] - calm["honest_finish_s"], 1)
-            if result["honest_finish_s"] is not None and calm["honest_finish_s"] is not None else None,
+            delay_s=round(result["honest_finish_s"] - base_finish, 1)
+            if result["honest_finish_s"] is not None and base_finish is not None else None,
             honest_failed_rounds=result["honest_failed_rounds"],
             adversary_named=None if result["scenario"] == "calm" else named,
             named_by=result["adversary_named_in_metrics_by"] or result["adversary_refused_in_logs_of"],
@@ -165,16 +196,16 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _run_with_retries(name: str, out_dir: Path, flags: list[str], args: Any, prog: str) -> dict[str, Any]:
+def _run_with_retries(name: str, run: str, out_dir: Path, flags: list[str], args: Any, prog: str) -> dict[str, Any]:
     """One scenario; on a machine this busy a peer sometimes misses its bootstrap window, so try again."""
     for attempt in range(args.retries + 1):
-        print(f"running {name} ...", flush=True)
+        print(f"running {run} ...", flush=True)
         try:
-            return run_scenario(name, out_dir, flags, args.outer_steps, args.timeout_s)
+            return {**run_scenario(name, out_dir, flags, args.outer_steps, args.timeout_s, run), "run": run}
         except RuntimeError as e:
-            print(f"{prog}: {name} failed (attempt {attempt + 1}): {str(e).splitlines()[0][:300]}", flush=True)
+            print(f"{prog}: {run} failed (attempt {attempt + 1}): {str(e).splitlines()[0][:300]}", flush=True)
             error = str(e)[:2000]
-    return dict(scenario=name, error=error)
+    return dict(scenario=name, run=run, error=error)
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -185,7 +216,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         loss = f"{row['eval_loss']:.4f}" if row["eval_loss"] is not None else "-"
         named = "-" if row["adversary_named"] is None else ("yes" if row["adversary_named"] else "NO")
         lines.append(
-            f"| {row['scenario']} | {row['final_outer_step']} | {loss} | {change} | {row['honest_non_finite']} | "
+            f"| {row['run']} | {row['final_outer_step']} | {loss} | {change} | {row['honest_non_finite']} | "
             f"{'held' if row['invariant_1'] else 'VIOLATED'} | {row['delay_s']} | {row['honest_failed_rounds']} | {named} |"
         )
     return "\n".join(lines) + "\n"
@@ -201,12 +232,18 @@ def main(argv: list[str] | None = None, prog: str = "attack.py") -> int:
     parser.add_argument("--outer-steps", type=int, default=12, help="outer steps every honest peer trains (default 12)")
     parser.add_argument("--timeout-s", type=float, default=240.0, help="bound on one scenario (default 240)")
     parser.add_argument("--retries", type=int, default=1, help="run a scenario again if a peer failed to start (default 1)")
+    parser.add_argument("--calm-runs", type=int, default=2, help="calm runs, compared with each other for the noise (default 2)")
     args, peer_flags = parser.parse_known_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     flags = [*DEFAULT_FLAGS, *peer_flags]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that every scenario's peers are stopped
-    results = [_run_with_retries(name, out_dir, flags, args, prog) for name in ["calm", *[s for s in args.scenarios if s != "calm"]]]
+    if args.calm_runs < 1:
+        parser.error("--calm-runs must be at least 1")
+    calms = [("calm", "calm" if i == 0 else f"calm{i + 1}") for i in range(args.calm_runs)]
+    # one calm run first, the others last: their spread also shows how the machine's load moved meanwhile
+    runs = [calms[0], *[(name, name) for name in args.scenarios if name != "calm"], *calms[1:]]
+    results = [_run_with_retries(name, run, out_dir, flags, args, prog) for name, run in runs]
     complete = [r for r in results if "error" not in r]
     rows = compare(complete) if any(r["scenario"] == "calm" for r in complete) else []
     (out_dir / "attack.json").write_text(json.dumps(dict(flags=flags, outer_steps=args.outer_steps, rows=rows, results=results), indent=1))

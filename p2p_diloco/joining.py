@@ -21,9 +21,9 @@ from hivemind.p2p import P2P
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.reachability import (
     Reachability,
+    circuit_reaches_us,
     direct_line,
     probe,
-    relay_addresses,
     relay_of,
     serve_dial_back,
 )
@@ -60,9 +60,12 @@ def dht_options(config: SwarmConfig, mode: str) -> tuple[dict, dict]:
         # reserve a slot on a relay and advertise /p2p-circuit addresses; "private" starts that at once
         # instead of waiting for libp2p's AutoNAT to agree (several peers, minutes)
         options.update(use_auto_relay=True, force_reachability="private")
-        # named relays are "static": libp2p reserves with them at once, where relays it finds by itself wait
-        # for 4 candidates or a 3-minute boot delay
+        # named relays are "static" (-relayDiscovery=0 below): libp2p reserves with them at once, where relays
+        # it finds by itself wait for 4 candidates or a 3-minute boot delay
         options["trusted_relays"] = list(config.relays or config.initial_peers)
+        # p2pd, forced private, advertises no /p2p-circuit address of its own: announce one per relay (proven
+        # by reachability.circuit_reaches_us before the peer calls itself relayed)
+        options["announce_maddrs"] = [*config.announce_maddrs, *circuit_addresses(config)]
     elif mode == "client":
         options.update(client_mode=True)  # the DHT and the averager accept no incoming requests
     else:
@@ -71,7 +74,14 @@ def dht_options(config: SwarmConfig, mode: str) -> tuple[dict, dict]:
         # restarts the DHT as "relay" a few seconds later.
         options.update(force_reachability="public")
     flags = {} if config.relay_service and mode == "direct" else {"relayService": False}
+    if mode == "relay":
+        flags["relayDiscovery"] = False  # p2pd uses the trusted relays as static ones only without discovery
     return options, flags
+
+
+def circuit_addresses(config: SwarmConfig) -> list[str]:
+    """``RELAY/p2p-circuit`` for each relay this peer would use (the relays, or else the initial peers)."""
+    return [f"{relay.rstrip('/')}/p2p-circuit" for relay in (config.relays or config.initial_peers)]
 
 
 def start_dht(
@@ -90,7 +100,7 @@ def start_dht(
         cache_refresh_before_expiry=0,
         **options,
     )
-    if config.announce_maddrs:
+    if config.announce_maddrs and "announce_maddrs" not in kwargs:
         kwargs["announce_maddrs"] = list(config.announce_maddrs)
     if config.identity_path:
         kwargs["identity_path"] = config.identity_path
@@ -165,12 +175,13 @@ def _settle(dht: DHT, config: SwarmConfig, mode: str, public_address: str | None
                             "sends its outer gradient and receives the average, but reduces no part and serves no state",
                             public_address)
     deadline = time.monotonic() + config.relay_wait_s
+    own = f"/p2p/{dht.peer_id.to_base58()}"
     while time.monotonic() < deadline:
-        circuits = relay_addresses(dht)
-        if circuits:
-            return Reachability("relay", f"{behind}: reachable through relay {relay_of(circuits[0])} "
-                                f"at {circuits[0]}", public_address)
-        time.sleep(0.5)
+        circuit = circuit_reaches_us(dht, circuit_addresses(config), max(1.0, min(10.0, deadline - time.monotonic())))
+        if circuit:
+            return Reachability("relay", f"{behind}: reachable through relay {relay_of(circuit)} at {circuit}{own}",
+                                public_address)
+        time.sleep(1.0)
     if config.reachability == "relay":  # asked for by the user: keep trying in the background, say so
         return Reachability("relay", f"{behind}: no relay reservation within {config.relay_wait_s:.0f} s yet; "
                             "still asking the relays (others cannot dial this peer until one answers)", public_address)

@@ -6,7 +6,10 @@ Three ways to take part, from best to worst:
   every all-reduce and serves its state to peers that rejoin.
 - ``relay``: nobody can dial it, but a reachable peer relays for it (libp2p circuit relay v2 through
   hivemind's ``p2pd``: the peer keeps a reservation on a relay and advertises a ``/p2p-circuit`` address).
-  It still contributes fully; its bytes cross the relay.
+  It still contributes fully; its bytes cross the relay. ``p2pd`` advertises no circuit address by itself
+  while it is forced private with static relays, so the peer announces ``RELAY/p2p-circuit`` itself and then
+  proves the reservation: a throwaway ``p2pd`` of its own (a stranger's identity, no connection to us yet)
+  dials that address and must reach our handler over a relayed connection (``circuit_reaches_us``).
 - ``client``: no relay answered. It dials out only: it sends its outer gradient and receives the average
   but reduces no part (hivemind's averager client mode) and serves no state.
 
@@ -41,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 REACHABILITY = ("auto", "direct", "relay", "client")
 PROBE_HANDLER = "p2p_diloco.dial_back"
+CIRCUIT_HANDLER = "p2p_diloco.circuit_check"
 _PROBE_INTERVAL_S = 10.0  # a probe server answers each peer at most this often
 _PROBE_PORTS = 4  # ports tried per probe (our listening ports, plus the one the server sees)
 _DIAL_TIMEOUT_S = 3.0
@@ -162,18 +166,47 @@ def _listen_port(address: object) -> int | None:
     return None if "/p2p-circuit" in text else observed_endpoint(address)[1]
 
 
-def relay_addresses(dht: DHT) -> list[str]:
-    """This peer's advertised ``/p2p-circuit`` addresses (a relay reservation is held), fresh from ``p2pd``."""
+def circuit_reaches_us(dht: DHT, circuits: Sequence[str], timeout_s: float) -> str | None:
+    """The first of our announced ``RELAY/p2p-circuit`` addresses through which a fresh peer reaches this one,
+    or None: the relay holds no reservation for us (yet), refuses to relay, or cannot be reached."""
+    for circuit in circuits:
+        try:
+            relayed = dht.run_coroutine(partial(_dial_own_circuit, circuit=circuit, timeout_s=timeout_s),
+                                        return_future=True).result(timeout=timeout_s + 10)
+        except Exception as e:
+            logger.debug("checking the circuit %s failed: %r", circuit, e)
+            continue
+        if relayed:
+            return circuit
+    return None
+
+
+async def _dial_own_circuit(_dht: DHT, node: DHTNode, circuit: str, timeout_s: float) -> bool:
+    """Runs in the DHT's process: a throwaway p2pd bootstraps from ``circuit/p2p/<us>`` and opens a stream to
+    our handler, which answers whether the stream came over a relayed connection."""
+    from hivemind.p2p import P2P
+
+    async def answer(info: Any, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"relayed\n" if "/p2p-circuit" in str(info.addr) else b"direct\n")
+        await writer.drain()
+        writer.close()
+
+    await node.p2p.add_binary_stream_handler(CIRCUIT_HANDLER, answer)
+    stranger = None
     try:
-        fresh = dht.run_coroutine(_latest_maddrs, return_future=True).result(timeout=10)
-    except Exception as e:
-        logger.debug("could not read the visible addresses: %r", e)
-        return []
-    return [str(a) for a in fresh if "/p2p-circuit" in str(a)]
-
-
-async def _latest_maddrs(_dht: DHT, node: DHTNode) -> list:
-    return await node.p2p.get_visible_maddrs(latest=True)
+        stranger = await asyncio.wait_for(P2P.create(
+            initial_peers=[f"{circuit}/p2p/{node.p2p.peer_id.to_base58()}"], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            use_relay=True, startup_timeout=timeout_s), timeout_s)
+        _, reader, writer = await asyncio.wait_for(
+            stranger.call_binary_stream_handler(node.p2p.peer_id, CIRCUIT_HANDLER), timeout_s)
+        try:
+            return await asyncio.wait_for(reader.readline(), timeout_s) == b"relayed\n"
+        finally:
+            writer.close()
+    finally:
+        if stranger is not None:
+            await stranger.shutdown()
+        await node.p2p.remove_binary_stream_handler(CIRCUIT_HANDLER)
 
 
 def relay_of(circuit_address: str) -> str:

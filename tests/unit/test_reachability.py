@@ -41,11 +41,15 @@ def test_each_mode_starts_the_dht_its_own_way():
     relay, flags = dht_options(config, "relay")
     assert relay["use_auto_relay"] and relay["force_reachability"] == "private"
     assert relay["trusted_relays"] == list(config.initial_peers)  # the initial peers, unless --relay says
-    assert flags == {"relayService": False}
+    assert relay["announce_maddrs"] == [f"{config.initial_peers[0]}/p2p-circuit"]  # p2pd would advertise none
+    assert flags == {"relayService": False, "relayDiscovery": False}  # static relays: a reservation at once
     client, _ = dht_options(config, "client")
     assert client == {"client_mode": True}
     own = SwarmConfig(relays=(f"/ip4/10.84.0.9/tcp/1/p2p/{PEER}",), relay_service=False)
     assert dht_options(own, "relay")[0]["trusted_relays"] == list(own.relays)
+    assert dht_options(own, "relay")[0]["announce_maddrs"] == [f"{own.relays[0]}/p2p-circuit"]
+    announced = SwarmConfig(relays=own.relays, announce_maddrs=("/ip4/1.2.3.4/tcp/5",))
+    assert dht_options(announced, "relay")[0]["announce_maddrs"] == ["/ip4/1.2.3.4/tcp/5", f"{own.relays[0]}/p2p-circuit"]
     assert dht_options(own, "direct")[1] == {"relayService": False}  # --no-relay-service
 
 
