@@ -16,7 +16,15 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from p2p_diloco.config import ADVERSARIES, COMPRESSIONS, REACHABILITY, PeerConfig, build_config, load_toml
+from p2p_diloco.config import (
+    ADVERSARIES,
+    COMPRESSIONS,
+    ISLAND_SHARDINGS,
+    REACHABILITY,
+    PeerConfig,
+    build_config,
+    load_toml,
+)
 
 if TYPE_CHECKING:  # torch-heavy modules load only when a process starts training, not for --help
     from p2p_diloco.data import DataSource
@@ -67,6 +75,7 @@ _FLAG_FIELDS = {
     "eval_every": ("run", "eval_every"),
     "seed": ("run", "seed"),
     "threads": ("run", "threads"),
+    "island_sharding": ("run", "island_sharding"),
     "start_at": ("run", "start_at_unix"),
     "tensorboard": ("run", "tensorboard_dir"),
     "monitor_port": ("run", "monitor_port"),
@@ -144,6 +153,7 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--resume", action="store_true", default=s, help="start from the newest readable checkpoint in --checkpoint-dir (a corrupt one is reported and the one before it used), then catch up with the swarm if it is ahead")
     run.add_argument("--eval-every", type=int, default=s, help=f"outer steps between held-out evaluations (default {d.run.eval_every})")
     run.add_argument("--threads", type=int, default=s, help=f"torch CPU threads for this peer (default {d.run.threads})")
+    run.add_argument("--island-sharding", choices=ISLAND_SHARDINGS, default=s, help="how the ranks of a torchrun island hold the model: ddp (all of it on every rank) or fsdp (each rank a shard of the params and inner AdamW state; rank 0 gathers the full local params for the outer step and scatters the result back); fsdp needs torchrun with 2 or more ranks (default ddp)")
     run.add_argument("--tensorboard", default=s, metavar="DIR", help="write TensorBoard scalars per outer step (loss, tokens/s, group size, bytes, blocked time) to DIR/<peer id> (needs the tensorboard package)")
     run.add_argument("--monitor-port", type=int, default=s, metavar="PORT", help="serve a live web page of the swarm (peers, outer steps, throughput, bytes, loss chart) on this port (default 0: none)")
     run.add_argument("--monitor-host", default=s, metavar="HOST", help=f"address the monitor page listens on (default {d.run.monitor_host}: this machine only; 0.0.0.0 for every interface)")
@@ -250,7 +260,7 @@ def _start_island(config: PeerConfig) -> Island:
     """This process's island: the torchrun ranks of the environment (RANK, WORLD_SIZE), or a single process."""
     from p2p_diloco import island
 
-    return island.Island.from_environment(os.environ, island.collective_timeout_s(config))
+    return island.Island.from_environment(os.environ, island.collective_timeout_s(config), config.run.island_sharding)
 
 
 _FOLLOWER_GRACE_S = 10.0  # beyond rank 0's own shutdown wait; under torchrun's 30 s before it SIGKILLs
@@ -308,7 +318,10 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
     from p2p_diloco.watch import SwarmWatch
 
     log = logging.getLogger("p2p_diloco.peer")
-    island = _start_island(config)
+    try:
+        island = _start_island(config)
+    except ValueError as e:  # --island-sharding fsdp without torchrun, say
+        return _fail(prog, str(e))
     if not island.is_leader:
         return _follow(config, island, prog)
     try:

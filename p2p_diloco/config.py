@@ -18,6 +18,7 @@ COMPRESSIONS = ("none", "fp16", "int8", "int4")
 REACHABILITY = ("auto", "direct", "relay", "client")  # how a peer takes part; see p2p_diloco/reachability.py
 # test-only misbehaviours of a peer (scripts/attack.py, tests/integration/test_robust.py); "" = honest
 ADVERSARIES = ("", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor")
+ISLAND_SHARDINGS = ("ddp", "fsdp")  # how the ranks of a torchrun island hold the model; see p2p_diloco/island.py
 
 
 # Bounds on any value from a file or a flag: larger numbers are typos, and overflow the int64, float timer and
@@ -234,6 +235,9 @@ class RunConfig:
     eval_batches: int = 4  # batches of the held-out tail per evaluation
     seed: int = 0  # model init seed (shared by the swarm) is seed; data order uses seed + shard
     threads: int = 1  # torch intra-op threads for this peer
+    # how the ranks of a torchrun island hold the model: ddp (all of it on every rank) or fsdp (FSDP2: each rank a
+    # shard of the params and inner AdamW state; rank 0 gathers them for the outer step). Needs >= 2 ranks
+    island_sharding: str = "ddp"
     shutdown_wait_s: float = 10.0  # at the end of a run, wait this long for an averaging in flight to land
     start_at_unix: float = 0.0  # wait until this wall-clock time (Unix seconds) before the first inner step; 0 = at once
     tensorboard_dir: str | None = None  # TensorBoard scalars per outer step land in DIR/<peer id>; None = none
@@ -250,6 +254,10 @@ class RunConfig:
         # data order seeds torch generators with seed * 1_000_003 + batch index, which must fit in 64 bits
         _require(0 <= self.seed < 2**32, f"run.seed must be in [0, 2**32), got {self.seed}")
         _require(1 <= self.threads <= 1024, f"run.threads must be in [1, 1024], got {self.threads}")
+        _require(
+            self.island_sharding in ISLAND_SHARDINGS,
+            f"run.island_sharding must be one of {', '.join(ISLAND_SHARDINGS)}, got {_show(self.island_sharding)}",
+        )
         _require(self.shutdown_wait_s >= 0, f"run.shutdown_wait_s must be >= 0 s, got {self.shutdown_wait_s}")
         _require(0 <= self.monitor_port <= 65535, f"run.monitor_port must be a TCP port in [1, 65535] (0: no monitor), got {self.monitor_port}")
         _require(

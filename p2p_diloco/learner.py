@@ -16,7 +16,9 @@ A failed or partial round is a value handled in ``_complete_averaging``, never a
 loop. The learner talks to the swarm only through ``Link``; it does not know hivemind exists.
 
 A multi-rank island (island.py) runs this loop on rank 0 and ``follow`` on the other ranks: the same inner
-steps, with rank 0's decisions and state broadcast at every inner step boundary (``_sync_island``).
+steps, with rank 0's decisions and state broadcast at every inner step boundary (``_sync_island``). The outer
+machinery reads and writes the local params through ``island.local_params()``: the model's own params, or with
+FSDP rank 0's full copy of them, gathered from the ranks' shards on demand.
 """
 
 from __future__ import annotations
@@ -116,20 +118,24 @@ class Learner:
         self.dataset, self.metrics = dataset, metrics
         self.stop = stop or threading.Event()
         self.island = island or Island()  # one rank of one by default
-        # same seed on every peer: same start bytes. Local params live on the island's device (a GPU, or the CPU)
-        self.model = build_model(config.model, config.run.seed).to(self.island.device)
-        self.train_model = self.island.wrap(self.model)  # what the inner steps call: DDP across the island's ranks
-        self.params = list(self.model.parameters())
+        # same seed on every peer: same start bytes
+        self.model = build_model(config.model, config.run.seed)
         # global params and the outer step stay fp32 on the CPU everywhere, so that a GPU island and a CPU peer
         # compute the same bytes (outer.py); values cross between the two devices at the outer step only
-        self.global_params = [p.detach().cpu().clone() for p in self.params]
-        self.outer = OuterOptimizer(self.global_params, config.outer)
+        self.global_params = [p.detach().cpu().clone() for p in self.model.parameters()]
+        self.eval_model, self.eval_device = self.island.evaluation_model(self.model)
+        # local params live on the island's device (a GPU, or the CPU); the inner steps call DDP across the
+        # island's ranks, or the model itself (FSDP shards it in place: self.params are then this rank's shards)
+        self.train_model = self.island.wrap(self.model)
+        self.params = list(self.model.parameters())
         self.inner = torch.optim.AdamW(self.params, lr=config.inner.lr, weight_decay=config.inner.weight_decay)
+        self.island.attach(self.model, self.inner, self.global_params)
+        self.outer = OuterOptimizer(self.global_params, config.outer)
         self.outer_step = 0
         self.global_sha256 = params_sha256(self.global_params)
         self.tokens_total = 0
         # streaming fragments (DESIGN.md §1, Streaming DiLoCo): outer step r averages fragment r % P only
-        self.fragments = partition_fragments(self.params, config.inner.fragments)
+        self.fragments = partition_fragments(self.global_params, config.inner.fragments)
         self.unsynced_by_fragment = [0] * len(self.fragments)  # tokens of local progress not yet in each fragment
         self.peak_send_rate = 0.0  # bytes/s: the largest ~1 s burst of averaging traffic since the last record
         self._traffic_samples: deque[tuple[float, int]] = deque()  # (time, bytes sent), one per inner step
@@ -165,7 +171,7 @@ class Learner:
     def _pack(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         """1-D pieces of one fragment -> the averaging template's tensors."""
         if len(self.fragments) == 1:  # whole tensors: keep their shapes
-            return [piece.view(param.shape) for piece, param in zip(pieces, self.params)]
+            return [piece.view(param.shape) for piece, param in zip(pieces, self.global_params)]
         (template,) = self.averaging_template()
         flat = torch.cat(pieces)
         return [torch.cat([flat, template[flat.numel() :]])]  # zero padding: fragments differ by a few values at most
@@ -204,10 +210,12 @@ class Learner:
         resumed = f"resumed from {self.resumed_from}" if self.resumed_from else ""
         self._write(link, AveragingOutcome(None, (), 0.0, "init", resumed))
         self._publish_step(link)
-        self._catch_up(link)
-        self.round_started = time.monotonic()
+        settled = False
         try:
+            # first, so that the other ranks wait at the first boundary while rank 0 catches up (FSDP: to serve it)
             self._share_start()
+            self._catch_up(link)
+            self.round_started = time.monotonic()
             stop = self._sync_island(self._should_stop()).stop
             while not stop:
                 self._inner_step(link)
@@ -217,10 +225,14 @@ class Learner:
                     self._end_round(link)
                 stop = self._sync_island(self._should_stop()).stop  # the other ranks of the island do as rank 0 says
             self._settle_pending(link)
-            self._sync_island(True)  # an averaging that landed while settling reaches the other ranks too
+            settled = True
         finally:
-            if self.config.run.checkpoint_dir:
+            # an FSDP island's checkpoint gathers from the other ranks: only while they wait at a boundary
+            if self.config.run.checkpoint_dir and (settled or not self.island.sharded):
                 self.save_checkpoint()
+            elif self.config.run.checkpoint_dir:
+                logger.warning("no checkpoint at the end: the FSDP island stopped on an error (the last one stays)")
+        self._sync_island(True)  # an averaging that landed while settling reaches the other ranks too
 
     def follow(self) -> None:
         """A rank other than 0 of a multi-rank island: the same inner steps as rank 0 (DDP keeps them
@@ -243,13 +255,10 @@ class Learner:
 
     def _share_start(self) -> None:
         """Rank 0's inner optimizer state and data position to the island's other ranks (a resume, say)."""
-        state = self.island.share_start(dict(inner=self.inner.state_dict(), position=self.dataset.train.position))
-        if not self.island.is_leader:
-            self.inner.load_state_dict(state["inner"])
-            self.dataset.train.position = state["position"]
+        self.dataset.train.position = self.island.share_start(self.dataset.train.position)
 
     def _sync_island(self, stop: bool) -> Control:
-        return self.island.sync(stop, self.outer_step, self.global_sha256, self.params, self.global_params)
+        return self.island.sync(stop, self.outer_step, self.global_sha256, self.global_params)
 
     def _settle_pending(self, link: Link) -> None:
         """At the end of a run, give an averaging still in flight a bounded time to land, so that its result
@@ -287,6 +296,7 @@ class Learner:
         if self.config.inner.grad_clip_norm:
             torch.nn.utils.clip_grad_norm_(self.params, self.config.inner.grad_clip_norm)
         self.inner.step()
+        self.island.trained()
         if self.config.inner.throttle > 1:  # emulate older hardware: each step takes `throttle` times as long
             time.sleep((self.config.inner.throttle - 1) * (time.monotonic() - started))
         elapsed = time.monotonic() - started
@@ -351,7 +361,8 @@ class Learner:
         self._catch_up(link)
         fragment = self.outer_step % len(self.fragments)
         segments = self.fragments[fragment]
-        snapshot = [s.of(self.params).detach().clone() for s in segments]
+        local = self.island.local_params()
+        snapshot = [s.of(local).detach().clone() for s in segments]
         outer_grads = [s.of(self.global_params) - local.cpu() for s, local in zip(segments, snapshot)]
         weight = float(self.tokens_unsynced)
         what = f"fragment {fragment + 1}/{len(self.fragments)}" if len(self.fragments) > 1 else "outer gradient"
@@ -378,13 +389,14 @@ class Learner:
             outcome = AveragingOutcome(None, outcome.peers, outcome.weight_total, "stale", "global params moved on")
         if outcome.averaged is not None:
             segments = pending.segments
+            local = self.island.local_params()
             with self._state_lock:
                 self.outer.step(self._unpack(outcome.averaged, segments), segments)
                 self.outer_step += 1
                 self.global_sha256 = params_sha256(self.global_params)
             with torch.no_grad():  # local_params <- new_global + (local_params - snapshot): keep the work done since
                 for segment, snapshot in zip(segments, pending.snapshot):
-                    param = segment.of(self.params)
+                    param = segment.of(local)
                     param.copy_(segment.of(self.global_params).to(param.device) + (param - snapshot))  # new_global if idle
             self.unsynced_by_fragment[pending.fragment] -= int(pending.weight)
             self._remember_round(pending.outer_step, outcome.peers)
@@ -424,12 +436,14 @@ class Learner:
             logger.warning("swarm is %s outer step %d; no verified state could be downloaded", what, self.outer_step)
             return False
         applied = self._unconfirmed_was_applied(state, link.peer_id)
+        local = self.island.local_params()
         with torch.no_grad(), self._state_lock:
             if applied is not None:  # that fragment's progress up to the snapshot is in the new global already
                 for segment, snapshot in zip(applied.segments, applied.snapshot):
-                    segment.of(self.params).add_((segment.of(self.global_params) - snapshot.cpu()).to(self.island.device))
+                    piece = segment.of(local)
+                    piece.add_((segment.of(self.global_params) - snapshot.cpu()).to(piece.device))
                 self.unsynced_by_fragment[applied.fragment] -= int(applied.weight)
-            for param, old, new in zip(self.params, self.global_params, state.global_params):
+            for param, old, new in zip(local, self.global_params, state.global_params):
                 param.add_((new - old).to(param.device))  # local_params <- new_global + (local_params - old_global)
                 old.copy_(new)
             self.outer.load_state(state.momentum, state.outer_steps_taken)
@@ -487,15 +501,15 @@ class Learner:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Held-out loss of the *global* params (the model the swarm shares), not of our local progress."""
-        names = [name for name, _ in self.model.named_parameters()]
-        device = self.island.device
+        model, device = self.eval_model, self.eval_device
+        names = [name for name, _ in model.named_parameters()]
         weights = dict(zip(names, (p.to(device) for p in self.global_params)))
-        self.model.eval()
+        model.eval()
         losses = [
-            torch.func.functional_call(self.model, weights, (inputs.to(device), targets.to(device))).item()
+            torch.func.functional_call(model, weights, (inputs.to(device), targets.to(device))).item()
             for inputs, targets in self._eval_batches
         ]
-        self.model.train()
+        model.train()
         return sum(losses) / len(losses)
 
     def _write(
@@ -559,6 +573,8 @@ class Learner:
         return rate
 
     def save_checkpoint(self) -> None:
+        # unsharded: gathered from the other ranks of an FSDP island, which wait at a boundary meanwhile
+        local_model, inner_optimizer = self.island.local_model_state(), self.island.inner_state()
         with self._state_lock:
             state = dict(
                 config=self.config.to_dict(),
@@ -567,8 +583,8 @@ class Learner:
                 global_params=[t.clone() for t in self.global_params],
                 momentum=[t.clone() for t in self.outer.state_tensors()],
                 global_sha256=self.global_sha256,
-                local_model=self.model.state_dict(),
-                inner_optimizer=self.inner.state_dict(),
+                local_model=local_model,
+                inner_optimizer=inner_optimizer,
                 data_position=self.dataset.train.position,
                 tokens_total=self.tokens_total,
                 unsynced_by_fragment=list(self.unsynced_by_fragment),
@@ -620,14 +636,9 @@ class Learner:
         if len(unsynced) != len(self.fragments):
             raise ValueError(f"checkpoint {path} was written with {len(unsynced)} fragments, this run uses {len(self.fragments)}")
         try:
-            model_before, inner_before = self.model.state_dict(), self.inner.state_dict()
-            model_before = {k: v.clone() for k, v in model_before.items()}
-            self.model.load_state_dict(local_model)
-            self.inner.load_state_dict(inner_state)
-        except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            self.model.load_state_dict(model_before)
-            self.inner.load_state_dict(inner_before)
-            raise ValueError(f"checkpoint {path} holds a local model or optimizer that does not fit ({type(e).__name__})") from None
+            self.island.load_local(local_model, inner_state)
+        except ValueError as e:
+            raise ValueError(f"checkpoint {path} holds a local model or optimizer that does not fit ({e})") from None
         with torch.no_grad(), self._state_lock:
             for target, value in zip(self.global_params, global_params):
                 target.copy_(value)

@@ -1,16 +1,28 @@
-"""A torchrun island of 2 CPU ranks (DDP over gloo) and a single-process peer in one swarm on 127.0.0.1."""
+"""A torchrun island of 2 CPU ranks (DDP over gloo) and a single-process peer in one swarm on 127.0.0.1; an FSDP
+island of 2 CPU ranks against a DDP one, its checkpoint and resume, and its shard check (island_worker.py)."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import re
 import socket
+import subprocess
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
+import torch
 
+from p2p_diloco import checkpoint
+from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, PeerConfig, RunConfig
+from p2p_diloco.data import open_dataset
 from p2p_diloco.launcher import PEER_SCRIPT, start_peer, wait_for_address
+from p2p_diloco.learner import Learner
+from p2p_diloco.metrics import NullSink
 from p2p_diloco.report import check_invariant_1
 
 from .harness import local_swarm
@@ -87,3 +99,98 @@ def test_torchrun_island_averages_with_a_single_peer_and_its_ranks_stay_identica
     for step in global_steps:
         if step in reported:
             assert shas[("global", step)][0] == reported[step], step
+
+
+def _small_corpus(root: Path) -> str:
+    """4 generated text files, about 100 KB in all."""
+    rng = random.Random(1)
+    words = "def class return import yield lambda for while if else try except with as pass None".split()
+    root.mkdir()
+    for index in range(4):
+        lines = (" ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(8)) for _ in range(600))
+        (root / f"part_{index}.txt").write_text("\n".join(lines), encoding="utf-8")
+    return str(root)
+
+
+def _assert_equal(actual, expected, **tolerances) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, **tolerances)
+
+
+@pytest.mark.timeout(150)
+def test_fsdp_island_trains_like_ddp_resumes_and_catches_a_wrong_shard(tmp_path, reaper):
+    corpus = _small_corpus(tmp_path / "corpus")
+    worker = Path(__file__).with_name("island_worker.py")
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONPATH=repo)
+    ranks = []
+    for rank in range(2):  # what torchrun would start: one process per rank, told its place by the environment
+        log = (tmp_path / f"rank{rank}.log").open("wb")
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        ranks.append(subprocess.Popen(
+            [sys.executable, str(worker), str(tmp_path), corpus], env=rank_env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ))
+        reaper.append(ranks[-1].pid)
+    for process in ranks:
+        process.wait(timeout=120)
+    logs = "\n".join((tmp_path / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(2))
+    assert [p.returncode for p in ranks] == [0, 0], logs
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    leader = results[0]
+
+    # each rank held half of every tensor (dim 0), not all of it
+    full_numels = [t.numel() for t in leader["fsdp_global"]]
+    assert [a + b for a, b in zip(leader["fsdp_shard_numels"], results[1]["fsdp_shard_numels"])] == full_numels
+    assert all(shard < full for shard, full in zip(leader["fsdp_shard_numels"], full_numels) if full > 1)
+    # (a) the FSDP island's inner and outer steps give the DDP island's params (same data, same total batch)
+    assert leader["fsdp_outer_step"] == 2
+    _assert_equal(leader["fsdp_global"], leader["ddp_global"], rtol=1e-5, atol=1e-5)
+    _assert_equal(leader["fsdp_local"], leader["ddp_local"], rtol=1e-5, atol=1e-5)
+    initial = Learner(_worker_config(corpus), _dataset(_worker_config(corpus)), NullSink()).global_params
+    assert any(not torch.allclose(t, i, atol=1e-3) for t, i in zip(leader["fsdp_global"], initial))  # it did train
+    losses = {name: [r["eval_loss"] for r in _records(tmp_path / f"{name}.jsonl")] for name in ("ddp", "fsdp")}
+    assert len(losses["fsdp"]) == 3 and losses["fsdp"][-1] < losses["fsdp"][0], losses
+    torch.testing.assert_close(losses["fsdp"], losses["ddp"], rtol=1e-5, atol=1e-5)
+    # (b) after the last outer step every rank's whole local params are rank 0's new global params, bit for bit
+    for result in results:
+        _assert_equal(result["fsdp_local"], leader["fsdp_global"], rtol=0, atol=0)
+    # (c) stopped after 1 outer step and resumed from its checkpoint: bit-identical to the run that did not stop
+    assert leader["resumed_outer_step"] == 2
+    _assert_equal(leader["resumed_global"], leader["fsdp_global"], rtol=0, atol=0)
+    for result in results:
+        _assert_equal(result["resumed_local"], leader["fsdp_local"], rtol=0, atol=0)
+    # a shard that does not hold what rank 0 scattered stops that rank (and only that one)
+    assert leader["diverged"] == ""
+    assert "island rank 1 holds other shards than rank 0 sent" in results[1]["diverged"]
+
+    # the FSDP island's checkpoint is a plain one: a single process resumes from it
+    path = tmp_path / "checkpoints" / "outer_step_00000001.pt"
+    saved = checkpoint.load(path)
+    assert saved["inner_optimizer"]["state"], "the checkpoint lacks the inner AdamW state"
+    config = _worker_config(corpus, checkpoint_dir=str(tmp_path / "checkpoints"), resume=True)
+    single = Learner(config, _dataset(config), NullSink())
+    assert single.resume() == tmp_path / "checkpoints" / "outer_step_00000002.pt"
+    saved = checkpoint.load(single.resumed_from)
+    _assert_equal(single.params, [saved["local_model"][n] for n, _ in single.model.named_parameters()], rtol=0, atol=0)
+    moments = [single.inner.state[p]["exp_avg"] for p in single.params]
+    _assert_equal(moments, [saved["inner_optimizer"]["state"][i]["exp_avg"] for i in range(len(moments))], rtol=0, atol=0)
+
+
+def _worker_config(corpus: str, **run) -> PeerConfig:
+    """The island_worker.py model and data (its outer and inner settings do not matter here)."""
+    return PeerConfig(
+        model=ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16),
+        data=DataConfig(corpus_dir=corpus),
+        inner=InnerConfig(inner_steps=3, batch_size=4),
+        run=RunConfig(eval_batches=1, seed=3, **run),
+    )
+
+
+def _dataset(config: PeerConfig):
+    return open_dataset(config.data, config.model.seq_len, config.inner.batch_size, config.run.seed)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

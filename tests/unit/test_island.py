@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2p_diloco.config import DataConfig, PeerConfig
+from p2p_diloco.cli import _OneLineParser, add_peer_flags, resolve_config
+from p2p_diloco.config import DataConfig, PeerConfig, RunConfig
 from p2p_diloco.island import Island, collective_timeout_s
 
 
@@ -16,9 +17,11 @@ def test_without_torchrun_the_island_is_one_process_and_changes_nothing():
     assert island.shard(data) is data
     model = torch.nn.Linear(2, 2)
     assert island.wrap(model) is model
-    params = [torch.ones(2)]
-    assert island.sync(True, 7, "sha", params, params) == (True, 7)
-    assert island.share_start({"position": 3}) == {"position": 3}
+    optimizer = torch.optim.AdamW(model.parameters())
+    island.attach(model, optimizer, [p.detach() for p in model.parameters()])
+    assert island.local_params() == list(model.parameters())
+    assert island.sync(True, 7, "sha", [torch.ones(2)]) == (True, 7)
+    assert island.share_start(3) == 3
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -36,3 +39,18 @@ def test_collectives_outlast_every_wait_of_rank_zero():
     assert collective_timeout_s(config) > swarm.startup_timeout_s + swarm.averaging_timeout_s + swarm.state_timeout_s
     with pytest.raises(ValueError):
         Island(rank=2, size=2)
+
+
+def test_fsdp_needs_a_torchrun_island_of_two_ranks_or_more():
+    with pytest.raises(ValueError, match="fsdp needs a torchrun island of 2 or more ranks"):
+        Island.from_environment({}, timeout_s=10, sharding="fsdp")
+    with pytest.raises(ValueError, match="run.island_sharding must be one of ddp, fsdp"):
+        RunConfig(island_sharding="zero3")
+    assert Island.from_environment({}, timeout_s=10, sharding="ddp").size == 1
+
+
+def test_the_sharding_flag_sets_the_run_config_and_defaults_to_ddp():
+    parser = _OneLineParser(prog="t")
+    add_peer_flags(parser)
+    assert resolve_config(parser.parse_args([])).run.island_sharding == "ddp"
+    assert resolve_config(parser.parse_args(["--island-sharding", "fsdp"])).run.island_sharding == "fsdp"
