@@ -180,7 +180,7 @@ class SwarmConfig:
     reachability: str = "auto"  # auto (ask a peer to dial back), direct, relay (behind NAT) or client (dial out only)
     relays: tuple[str, ...] = ()  # relay peers for a peer behind NAT; empty = the initial peers
     relay_service: bool = True  # relay for peers behind NAT when this peer is reachable (bounded by p2pd's limits)
-    relay_wait_s: float = 20.0  # how long a peer behind NAT waits for a relay reservation before client mode
+    relay_wait_s: float = 20.0  # how long a peer in relay mode waits for its relay to carry a stranger's dial
     adversary: str = ""  # TEST ONLY: make this peer misbehave (one of ADVERSARIES; see p2p_diloco/adversary.py)
 
     def __post_init__(self) -> None:

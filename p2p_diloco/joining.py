@@ -1,10 +1,10 @@
 """Joining the swarm: start this peer's DHT (and its ``p2pd``) in the way its network allows.
 
 ``join_swarm`` starts the DHT as a directly reachable peer, asks an initial peer to dial back
-(``reachability.probe``) and, if nothing gets through, restarts it behind a relay, then in client mode
-if no relay reservation appears within ``relay_wait_s``. What it decided comes back as a ``Reachability``
-whose line the peer prints at start. A mode given by the user (``--reachability direct|relay|client``) is
-used as is, without probing. This module holds no progress, averaging or training logic.
+(``reachability.probe``) and, if nothing gets through, restarts it in client mode (see ``join_swarm`` for
+why not behind a relay). What it decided comes back as a ``Reachability`` whose line the peer prints at
+start. A mode given by the user (``--reachability direct|relay|client``) is used as is, without probing;
+relay mode waits up to ``relay_wait_s`` for its relay to carry a stranger's dial. This module holds no progress, averaging or training logic.
 """
 
 from __future__ import annotations
@@ -158,20 +158,18 @@ def join_swarm(config: SwarmConfig, record_validators: Sequence[Any] = ()) -> tu
     logger.info("a dial-back to %s on ports %s did not get through: behind a NAT or firewall", seen,
                 [p for p in (answer.get("open") or [])] or "tried")
     dht.shutdown()
-    for mode in ("relay", "client"):
-        dht = start_dht(config, record_validators, mode, check_identity=False)
-        reachability = _settle(dht, config, mode, public_address=seen)
-        if reachability.mode == mode:
-            return dht, reachability
-        dht.shutdown()
-    raise AssertionError("unreachable: client mode always settles")
+    # client mode, not relay: in our emulation a relayed peer's own rounds came back partial every time (a
+    # stream across the relay was reset) and it healed by a state download each round, at twice the bytes and
+    # time per averaging of a client's clean rounds. Relay mode stays one flag away (--reachability relay)
+    dht = start_dht(config, record_validators, "client", check_identity=False)
+    return dht, _settle(dht, config, "client", public_address=seen)
 
 
 def _settle(dht: DHT, config: SwarmConfig, mode: str, public_address: str | None = None) -> Reachability:
     """Wait (bounded) for a relay reservation in relay mode; the line a person reads."""
     behind = f"behind NAT (seen from outside as {public_address})" if public_address else "behind NAT"
     if mode == "client":
-        return Reachability("client", f"client mode: {behind}, no relay reservation; this peer dials out only: it "
+        return Reachability("client", f"client mode: {behind}; this peer dials out only: it "
                             "sends its outer gradient and receives the average, but reduces no part and serves no state",
                             public_address)
     deadline = time.monotonic() + config.relay_wait_s
@@ -182,7 +180,7 @@ def _settle(dht: DHT, config: SwarmConfig, mode: str, public_address: str | None
             return Reachability("relay", f"{behind}: reachable through relay {relay_of(circuit)} at {circuit}{own}",
                                 public_address)
         time.sleep(1.0)
-    if config.reachability == "relay":  # asked for by the user: keep trying in the background, say so
-        return Reachability("relay", f"{behind}: no relay reservation within {config.relay_wait_s:.0f} s yet; "
-                            "still asking the relays (others cannot dial this peer until one answers)", public_address)
-    return Reachability("none", f"no relay reservation within {config.relay_wait_s:.0f} s", public_address)
+    # asked for by the user (auto never comes here): p2pd keeps asking its relays in the background, say so
+    return Reachability("relay", f"{behind}: no relay carried a stranger's dial to this peer within "
+                        f"{config.relay_wait_s:.0f} s; p2pd keeps asking the relays (others cannot dial this "
+                        "peer until one answers)", public_address)

@@ -16,8 +16,8 @@ Three ways to take part, from best to worst:
 ``auto`` (the default) asks an initial peer to *dial back*: the peer it asks opens a fresh TCP connection
 to the address it sees our connection come from (our NAT's public address) on our listening ports. A
 connection that gets through means ``direct``; none means a NAT or a firewall drops incoming connections,
-and the peer restarts its DHT as ``relay``, falling back to ``client`` if no relay reservation appears in
-time. libp2p's own AutoNAT needs several confirming peers and minutes, and ``p2pd`` does not report its
+and the peer restarts its DHT as ``client`` (``relay`` is one flag away; joining.py says why it is not the
+automatic choice). libp2p's own AutoNAT needs several confirming peers and minutes, and ``p2pd`` does not report its
 verdict to the client, so we ask for one dial-back instead. A probe server dials only the address the
 request came from, on at most a few ports, at most once per peer per ``_PROBE_INTERVAL_S``, so it cannot
 be used to scan other hosts.

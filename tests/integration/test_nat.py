@@ -1,9 +1,8 @@
 """Volunteers behind home routers (root only): 4 peers, 2 of them each behind its own NAT (private address,
 outgoing connections masqueraded, incoming ones dropped), one of those started late. Each NATed peer finds
-out by itself that nobody can dial it. The first takes part fully through a circuit relay on a public peer
-(proven by a stranger's dial through it); the late one is told of a relay that is down, so it falls back to
-client mode and downloads the state from a peer it can dial. Every round of the swarm is averaged by all 4.
-Nothing is left behind: no namespace, no link, no iptables rule in this machine's own tables."""
+out by itself that nobody can dial it, takes part in client mode, and every round of the swarm is averaged
+by all 4; the late one downloads the state from a peer it can dial. Nothing is left behind: no namespace,
+no link, no iptables rule in this machine's own tables."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def test_peers_behind_nat_take_part_in_every_round(tmp_path, reaper):
             for index in range(3):
                 swarm.start(f"peer{index}", index, 4, extra=start_at)
             swarm.wait_until(lambda: swarm.outer_step("peer0") >= 2, 150, "two outer steps")
-            down = f"/ip4/{wan.host(0)}/tcp/9/p2p/{swarm.address.split('/p2p/')[-1]}"  # nothing listens on port 9
-            swarm.start("peer3", 3, 4, extra=["--relay", down])  # behind NAT, late, no relay: a client
+            swarm.start("peer3", 3, 4)  # behind NAT and late: it must download the state to join
             swarm.wait_all_exited(240)
         finally:
             codes = swarm.stop_all()
@@ -51,9 +49,8 @@ def test_peers_behind_nat_take_part_in_every_round(tmp_path, reaper):
     assert codes == {f"peer{i}": 0 for i in range(4)}, swarm.log_tails()
 
     logs = {name: swarm.peers[name].log_file.read_text() for name in swarm.peers}
-    # each found out by itself, and says so in one line
-    assert "behind NAT (seen from outside as 10.84.0.3): reachable through relay" in logs["peer2"], swarm.log_tail("peer2")
-    assert "client mode: behind NAT (seen from outside as 10.84.0.4)" in logs["peer3"], swarm.log_tail("peer3")
+    for name in ("peer2", "peer3"):  # each found out by itself, and says so in one line
+        assert "client mode: behind NAT (seen from outside as 10.84.0." in logs[name], swarm.log_tail(name)
     assert "a peer dialled back 10.84.0.2" in logs["peer1"], swarm.log_tail("peer1")
 
     records = swarm.all_records()
