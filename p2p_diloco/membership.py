@@ -161,7 +161,7 @@ class AllowList:
             raise ValueError(f"cannot read allow-list {path}: {e.strerror or e}") from None
         except UnicodeDecodeError:
             raise ValueError(f"allow-list {path} is not UTF-8 text") from None
-        self.path, self._raw = path, []
+        self.path, self._raw, seen = path, [], set()
         for number, line in enumerate(text.splitlines(), 1):
             fields = line.split()
             if not fields or fields[0].startswith("#"):
@@ -176,8 +176,9 @@ class AllowList:
             if message.key_type != crypto_pb2.RSA or not isinstance(key, rsa.RSAPublicKey):
                 raise ValueError(f"{where}: not an RSA key; p2p-diloco identities are RSA")
             public = _public_key_bytes(key)
-            if public in self._raw:
+            if public in seen:
                 raise ValueError(f"{where}: this key is listed twice")
+            seen.add(public)
             self._raw.append(public)
         if not self._raw:
             raise ValueError(f"allow-list {path} lists no public key")
