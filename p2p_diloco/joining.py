@@ -4,7 +4,8 @@
 (``reachability.probe``) and, if nothing gets through, restarts it in client mode (see ``join_swarm`` for
 why not behind a relay). What it decided comes back as a ``Reachability`` whose line the peer prints at
 start. A mode given by the user (``--reachability direct|relay|client``) is used as is, without probing;
-relay mode waits up to ``relay_wait_s`` for its relay to carry a stranger's dial. This module holds no progress, averaging or training logic.
+relay mode waits up to ``relay_wait_s`` for its relay to carry a stranger's dial. This module holds no
+progress, averaging or training logic.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def dht_options(config: SwarmConfig, mode: str) -> tuple[dict, dict]:
     else:
         # libp2p starts its relay service only once it believes itself public, which its AutoNAT would take
         # minutes to decide (if ever, in a small swarm): say so at once. In auto mode a probe that fails
-        # restarts the DHT as "relay" a few seconds later.
+        # restarts the DHT as "client" a few seconds later.
         options.update(force_reachability="public")
     flags = {} if config.relay_service and mode == "direct" else {"relayService": False}
     if mode == "relay":
@@ -166,7 +167,7 @@ def join_swarm(config: SwarmConfig, record_validators: Sequence[Any] = ()) -> tu
 
 
 def _settle(dht: DHT, config: SwarmConfig, mode: str, public_address: str | None = None) -> Reachability:
-    """Wait (bounded) for a relay reservation in relay mode; the line a person reads."""
+    """In relay mode, wait (bounded) until a stranger's dial reaches us through a relay; the line a person reads."""
     behind = f"behind NAT (seen from outside as {public_address})" if public_address else "behind NAT"
     if mode == "client":
         return Reachability("client", f"client mode: {behind}; this peer dials out only: it "

@@ -1,5 +1,6 @@
 """Checks of a peer's local inputs that need the file system or the machine, run once at start-up before
-anything is loaded or started: the identity key file, the checkpoint folder, the metrics file, the dataset files,
+anything is loaded or started: the identity key file (and, in a run closed by an allow-list, that its key is
+listed), the checkpoint folder, the metrics file, the dataset files,
 tokenizer and transformers model config (readable; the model's vocabulary covers the tokens), and whether the
 model fits in memory at all. Each failure is a ValueError with a one-line reason that says how to fix it.
 

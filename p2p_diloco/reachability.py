@@ -1,24 +1,25 @@
 """Can other peers dial this one? Decide how a peer takes part when it sits behind a NAT or a firewall.
 
-Three ways to take part, from best to worst:
+Three ways to take part:
 
 - ``direct``: other peers can open connections to this peer's address; it averages, reduces a part of
   every all-reduce and serves its state to peers that rejoin.
 - ``relay``: nobody can dial it, but a reachable peer relays for it (libp2p circuit relay v2 through
   hivemind's ``p2pd``: the peer keeps a reservation on a relay and advertises a ``/p2p-circuit`` address).
-  It still contributes fully; its bytes cross the relay. ``p2pd`` advertises no circuit address by itself
+  It reduces parts and serves state, its bytes crossing the relay (but see joining.py: in our emulation its
+  own rounds came back partial, so ``auto`` does not pick it). ``p2pd`` advertises no circuit address by itself
   while it is forced private with static relays, so the peer announces ``RELAY/p2p-circuit`` itself and then
   proves the reservation: a throwaway ``p2pd`` of its own (a stranger's identity, no connection to us yet)
   dials that address and must reach our handler over a relayed connection (``circuit_reaches_us``).
-- ``client``: no relay answered. It dials out only: it sends its outer gradient and receives the average
+- ``client``: what ``auto`` picks behind a NAT, and ``relay`` is no better. It dials out only: it sends its outer gradient and receives the average
   but reduces no part (hivemind's averager client mode) and serves no state.
 
 ``auto`` (the default) asks an initial peer to *dial back*: the peer it asks opens a fresh TCP connection
 to the address it sees our connection come from (our NAT's public address) on our listening ports. A
 connection that gets through means ``direct``; none means a NAT or a firewall drops incoming connections,
 and the peer restarts its DHT as ``client`` (``relay`` is one flag away; joining.py says why it is not the
-automatic choice). libp2p's own AutoNAT needs several confirming peers and minutes, and ``p2pd`` does not report its
-verdict to the client, so we ask for one dial-back instead. A probe server dials only the address the
+automatic choice). libp2p's own AutoNAT needs several confirming peers and minutes, and ``p2pd`` does not
+report its verdict to the client, so we ask for one dial-back instead. A probe server dials only the address the
 request came from, on at most a few ports, at most once per peer per ``_PROBE_INTERVAL_S``, so it cannot
 be used to scan other hosts.
 
