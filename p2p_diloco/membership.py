@@ -18,7 +18,8 @@ its libp2p identity (``--identity``, RSA-2048, PKCS#1 v1.5 over SHA-256), and ``
 records signed by a listed key. The averager admits a caller whose libp2p peer id (authenticated by the libp2p
 handshake) is one of the listed keys' ids, with no DHT read. A key file and an allow-list can be used together.
 
-An open run (neither) admits everyone. This module does not stop a *member* from misbehaving (robust.py does).
+An open run (neither) admits everyone; its peers ignore signed records they meet, saying once that the run they
+joined is closed (``OpenRunValidator``). This module does not stop a *member* from misbehaving (robust.py does).
 """
 
 from __future__ import annotations
