@@ -9,6 +9,7 @@ round means: it reports what happened.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -18,10 +19,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch
 from hivemind import DHT
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from p2p_diloco.averaging import WireCodec, part_values_for, run_averaging
@@ -49,14 +54,60 @@ def read_progress(dht: DHT, key: str, timeout_s: float = _DHT_TIMEOUT_S) -> dict
     return peers
 
 
+async def _rejoin(dht: DHT, node: DHTNode, peer_ids: Sequence[str], bootstrap: Sequence[str], timeout_s: float) -> int:
+    """Ping peers this node once knew so that its routing table and theirs hold each other again; the number that
+    answered. Runs in the DHT's process (``run_coroutine`` pickles it: a module-level function, plain arguments).
+
+    A node drops from its routing table every peer whose request timed out, and they drop it likewise. A peer
+    frozen for a few seconds (a stopped process, a suspended laptop, a network that went away) finds on waking
+    that every request in flight timed out at once: its table is empty, the others' lack it, and nothing in
+    hivemind ever brings them together again. An incoming ping adds the caller to the callee's table, and an
+    answered one adds the callee to the caller's: one round of pings heals both sides.
+    """
+    for address in bootstrap:  # the initial peers' addresses, for a peerstore that forgot them
+        try:
+            maddr = Multiaddr(address)
+            peer = PeerID.from_base58(maddr["p2p"])
+            # p2pd wants the transport part alone: the python Multiaddr re-encodes some peer ids in a form it refuses
+            transport = Multiaddr(address.split("/p2p/")[0])
+            await asyncio.wait_for(node.p2p._client.connect(peer, [transport]), timeout_s)
+        except Exception as e:
+            logger.debug("could not reconnect to %s: %r", address, e)
+    peers = {PeerID.from_base58(peer) for peer in peer_ids}
+    peers |= {PeerID.from_base58(Multiaddr(address)["p2p"]) for address in bootstrap}
+    peers.discard(node.protocol.p2p.peer_id)
+    node.blacklist.clear()  # peers that timed out while we were away are not to be skipped now that we are back
+    answers = await asyncio.gather(
+        *(asyncio.wait_for(node.protocol.call_ping(peer), timeout_s) for peer in peers), return_exceptions=True
+    )
+    return sum(answer is not None and not isinstance(answer, BaseException) for answer in answers)
+
+
 class ProgressBeacon:
     """Every ``period_s``, from a daemon thread: publishes this peer's latest progress record in the DHT and
-    reads the other peers' records, so the training loop never waits on the DHT to know where the swarm is."""
+    reads the other peers' records, so the training loop never waits on the DHT to know where the swarm is.
 
-    def __init__(self, dht: DHT, key: str, period_s: float, ttl_s: float, read_peers: Callable[[], dict[str, dict]]):
+    When the read finds nobody else although peers were seen before (or initial peers were given), the beacon
+    pings them (``_rejoin``), at most once per ``rejoin_every_s``: a DHT that lost its routing table reconnects.
+    """
+
+    def __init__(
+        self,
+        dht: DHT,
+        key: str,
+        period_s: float,
+        ttl_s: float,
+        read_peers: Callable[[], dict[str, dict]],
+        bootstrap: Sequence[str] = (),
+    ):
         self._dht, self._key, self._period_s, self._ttl_s = dht, key, period_s, ttl_s
         self._read_peers = read_peers
         self.peers: dict[str, dict] = {}  # the other peers' records as of the last period (read by the learner)
+        self._bootstrap = list(bootstrap)
+        self._seen: dict[str, float] = {}  # peer id -> when (monotonic) its record was last read: whom to re-ping
+        self._last_rejoin = float("-inf")
+        self._alone = False
+        self.rejoins = 0  # how many times the beacon found itself alone and pinged the peers it knew
         self._record: dict = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -88,12 +139,41 @@ class ProgressBeacon:
             try:
                 self.publish_now()
                 self.peers = self._read_peers()
+                self._remember_or_rejoin()
             except Exception as e:  # a DHT hiccup must not kill the beacon
                 logger.debug("progress exchange failed: %r", e)
+
+    def _remember_or_rejoin(self) -> None:
+        now = time.monotonic()
+        for peer in self.peers:
+            self._seen[peer] = now
+        if self.peers:
+            self._alone = False
+        forget_after_s = 30 * self._ttl_s  # a peer gone this long is not worth a ping every few seconds
+        self._seen = {peer: seen for peer, seen in self._seen.items() if now - seen < forget_after_s}
+        rejoin_every_s = max(5.0, 2 * self._period_s)
+        if self.peers or not (self._seen or self._bootstrap) or now - self._last_rejoin < rejoin_every_s:
+            return
+        self._last_rejoin = now
+        self.rejoins += 1
+        log = logger.debug if self._alone else logger.info  # said once each time the others vanish, not every try
+        self._alone = True
+        log("no other peer visible in the DHT: pinging the %d peers known before", len(self._seen) + len(self._bootstrap))
+        coroutine = partial(_rejoin, peer_ids=sorted(self._seen), bootstrap=self._bootstrap, timeout_s=rejoin_every_s)
+        future = self._dht.run_coroutine(coroutine, return_future=True)
+        future.add_done_callback(_log_rejoin)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * self._period_s)
+
+
+def _log_rejoin(future: Future) -> None:
+    try:
+        answered = future.result()
+        (logger.info if answered else logger.debug)("rejoin: %d known peers answered a ping", answered)
+    except Exception as e:
+        logger.debug("rejoin failed: %r", e)
 
 
 class SwarmLink:
@@ -145,7 +225,12 @@ class SwarmLink:
                 shutdown_timeout=5,
             )
             self._beacon = ProgressBeacon(
-                self.dht, self._progress_key, config.progress_period_s, config.progress_ttl_s, self._read_progress
+                self.dht,
+                self._progress_key,
+                config.progress_period_s,
+                config.progress_ttl_s,
+                self._read_progress,
+                bootstrap=config.initial_peers,
             )
             if client:
                 self._beacon.update(client=True)  # others know this peer can't reduce: see average()

@@ -1,0 +1,95 @@
+"""Two real DHTs on 127.0.0.1 whose routing tables were emptied, as a peer frozen for a while finds its own
+(and the others find theirs) once every request in flight has timed out: hivemind alone leaves them apart for
+good; the progress beacon pings the peers it knew and brings them back together."""
+
+from __future__ import annotations
+
+import time
+
+from hivemind import DHT
+from hivemind.dht.node import DHTNode
+
+from p2p_diloco.config import SwarmConfig
+from p2p_diloco.joining import start_dht
+from p2p_diloco.swarm import ProgressBeacon, read_progress
+
+_KEY, _PERIOD_S, _TTL_S = "rejoin-test.progress", 0.5, 3.0
+
+
+async def _forget_everyone(dht: DHT, node: DHTNode) -> int:
+    """What timeouts on every request do to a routing table: every peer dropped. Returns how many were there."""
+    known = list(node.protocol.routing_table.uid_to_peer_id)
+    for node_id in known:
+        del node.protocol.routing_table[node_id]
+    return len(known)
+
+
+async def _routing_table_size(dht: DHT, node: DHTNode) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def _reader(dht: DHT):
+    own = dht.peer_id.to_base58()
+    return lambda: {peer: record for peer, record in read_progress(dht, _KEY).items() if peer != own}
+
+
+def _wait(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _publish(dht: DHT, step: int) -> None:
+    from hivemind.utils.timed_storage import get_dht_time
+
+    dht.store(_KEY, subkey=dht.peer_id.to_base58(), value={"outer_step": step}, expiration_time=get_dht_time() + _TTL_S)
+
+
+def test_beacons_bring_back_together_two_dhts_that_forgot_each_other():
+    first = start_dht(SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",)))
+    second, beacons = None, []
+    try:
+        addresses = tuple(str(a) for a in first.get_visible_maddrs())
+        second = start_dht(SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=addresses))
+        assert _wait(lambda: first.run_coroutine(_routing_table_size) == 1, 10)
+
+        # control, without beacons: both tables emptied, each keeps publishing, and they stay apart
+        assert first.run_coroutine(_forget_everyone) == 1 and second.run_coroutine(_forget_everyone) == 1
+        apart_until = time.monotonic() + 2 * _TTL_S
+        while time.monotonic() < apart_until:
+            _publish(first, 1), _publish(second, 1)
+            assert not _reader(first)() and not _reader(second)(), "the DHTs found each other without help"
+            time.sleep(_PERIOD_S)
+
+        # the beacons: the second knows the first as its initial peer, the first knows nobody yet
+        beacons = [
+            ProgressBeacon(first, _KEY, _PERIOD_S, _TTL_S, _reader(first)),
+            ProgressBeacon(second, _KEY, _PERIOD_S, _TTL_S, _reader(second), bootstrap=addresses),
+        ]
+        for step, beacon in enumerate(beacons):
+            beacon.update(outer_step=step)
+        assert _wait(lambda: all(beacon.peers for beacon in beacons), 20), [b.rejoins for b in beacons]
+        assert beacons[1].rejoins >= 1  # it was the second's ping that healed both tables
+        assert first.run_coroutine(_routing_table_size) == 1 and second.run_coroutine(_routing_table_size) == 1
+
+        # forgotten again, and the second restarted knowing nobody: the first pings it from its records alone
+        beacons.pop().close()
+        rejoins = beacons[0].rejoins
+        for _ in range(5):  # the first keeps publishing: a request in flight could re-add the other at once
+            first.run_coroutine(_forget_everyone), second.run_coroutine(_forget_everyone)
+            time.sleep(0.2)
+        beacons.append(ProgressBeacon(second, _KEY, _PERIOD_S, _TTL_S, _reader(second)))
+        beacons[1].update(outer_step=2)
+        # each still reads the other's last records from its own storage until they expire; then the first is alone
+        assert _wait(lambda: beacons[0].rejoins > rejoins, 20), "the first never pinged the peer it had seen"
+        fresh = lambda: beacons[0].peers.get(second.peer_id.to_base58(), {}).get("outer_step") == 2  # noqa: E731
+        assert _wait(lambda: fresh() and beacons[1].peers, 20), [b.rejoins for b in beacons]
+    finally:
+        for beacon in beacons:
+            beacon.close()
+        for dht in (second, first):
+            if dht is not None:
+                dht.shutdown()
