@@ -239,6 +239,9 @@ class RunConfig:
     # shard of the params and inner AdamW state; rank 0 gathers them for the outer step). Needs >= 2 ranks
     island_sharding: str = "ddp"
     shutdown_wait_s: float = 10.0  # at the end of a run, wait this long for an averaging in flight to land
+    # after max_outer_steps, keep serving state up to this long while a live peer is behind (its last round failed,
+    # say), so that it can catch up to the final state instead of stepping alone onto other bytes; 0 = leave at once
+    straggler_wait_s: float = 20.0
     start_at_unix: float = 0.0  # wait until this wall-clock time (Unix seconds) before the first inner step; 0 = at once
     tensorboard_dir: str | None = None  # TensorBoard scalars per outer step land in DIR/<peer id>; None = none
     monitor_port: int = 0  # serve the swarm monitor web page on this TCP port; 0 = no monitor
@@ -259,6 +262,7 @@ class RunConfig:
             f"run.island_sharding must be one of {', '.join(ISLAND_SHARDINGS)}, got {_show(self.island_sharding)}",
         )
         _require(self.shutdown_wait_s >= 0, f"run.shutdown_wait_s must be >= 0 s, got {self.shutdown_wait_s}")
+        _require(self.straggler_wait_s >= 0, f"run.straggler_wait_s must be >= 0 s, got {self.straggler_wait_s}")
         _require(0 <= self.monitor_port <= 65535, f"run.monitor_port must be a TCP port in [1, 65535] (0: no monitor), got {self.monitor_port}")
         _require(
             bool(self.monitor_host) and len(self.monitor_host) <= 255 and not any(c.isspace() for c in self.monitor_host),

@@ -233,6 +233,7 @@ class Learner:
             elif self.config.run.checkpoint_dir:
                 logger.warning("no checkpoint at the end: the FSDP island stopped on an error (the last one stays)")
         self._sync_island(True)  # an averaging that landed while settling reaches the other ranks too
+        self._serve_stragglers(link)
 
     def follow(self) -> None:
         """A rank other than 0 of a multi-rank island: the same inner steps as rank 0 (DDP keeps them
@@ -276,6 +277,28 @@ class Learner:
         finally:
             self._add_blocked(time.monotonic() - started)
         self._complete_averaging(link)
+
+    def _serve_stragglers(self, link: Link) -> None:
+        """At the planned end (max_outer_steps reached, no stop request), stay a bounded while as a state donor
+        for live peers still behind: one whose last round failed where the others' succeeded can then catch up
+        to the final state, instead of finding no donor and stepping alone onto other bytes (a fork at the
+        last step). The other ranks of an island have already left; the averager serves state by itself."""
+        run = self.config.run
+        planned_end = bool(run.max_outer_steps) and self.outer_step >= run.max_outer_steps
+        if not run.straggler_wait_s or not planned_end or self.stop.is_set():
+            return
+        started = time.monotonic()
+        said = False  # peers finishing the same step show as behind until their next record: said only if it lasts
+        behind = link.peers_behind(self.outer_step)
+        while behind and time.monotonic() - started < run.straggler_wait_s and not self.stop.wait(0.5):
+            behind = link.peers_behind(self.outer_step)  # SIGTERM (self.stop) ends the wait at once
+            if behind and not said and time.monotonic() - started >= 3.0:
+                logger.info("serving state up to %.0f s to %d peers behind outer step %d", run.straggler_wait_s, behind, self.outer_step)
+                said = True
+        if behind:
+            logger.info("leaving with %d peers still behind outer step %d", behind, self.outer_step)
+        elif said:
+            logger.info("the peers behind reached outer step %d after %.1f s", self.outer_step, time.monotonic() - started)
 
     def _should_stop(self) -> bool:
         run = self.config.run

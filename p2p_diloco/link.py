@@ -66,6 +66,8 @@ class Link(Protocol):
 
     def swarm_outer_step(self) -> int: ...
 
+    def peers_behind(self, outer_step: int) -> int: ...
+
     def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None: ...
 
     def download_state(self, num_params: int) -> SwarmState | None: ...
@@ -95,6 +97,9 @@ class ImmediateAveraging:
 
     def round_view(self, round_index: int) -> RoundView:
         return RoundView(live_peers=0, tokens_by_others=0, peers_ahead=0)
+
+    def peers_behind(self, outer_step: int) -> int:
+        return 0
 
 
 class LocalLink(ImmediateAveraging):

@@ -44,12 +44,13 @@ _DHT_TIMEOUT_S = 10.0
 
 
 def read_progress(dht: DHT, key: str, timeout_s: float = _DHT_TIMEOUT_S) -> dict[str, dict]:
-    """The unexpired progress records under ``key``, by peer id; raises on a DHT failure or after ``timeout_s``."""
+    """The unexpired progress records under ``key`` of peers that have not said they left (a record with
+    ``left``), by peer id; raises on a DHT failure or after ``timeout_s``."""
     found = dht.get(key, latest=True, return_future=True).result(timeout=timeout_s)
     peers = {}
     if found is not None and isinstance(found.value, dict):
         for peer, item in found.value.items():
-            if isinstance(item, ValueWithExpiration) and isinstance(item.value, dict):
+            if isinstance(item, ValueWithExpiration) and isinstance(item.value, dict) and not item.value.get("left"):
                 peers[str(peer)] = item.value
     return peers
 
@@ -77,9 +78,9 @@ async def _rejoin(dht: DHT, node: DHTNode, peer_ids: Sequence[str], bootstrap: S
     peers |= {PeerID.from_base58(Multiaddr(address)["p2p"]) for address in bootstrap}
     peers.discard(node.protocol.p2p.peer_id)
     node.blacklist.clear()  # peers that timed out while we were away are not to be skipped now that we are back
-    answers = await asyncio.gather(
-        *(asyncio.wait_for(node.protocol.call_ping(peer), timeout_s) for peer in peers), return_exceptions=True
-    )
+    # validate, as hivemind's own bootstrap does: the callee adds us only once it has reached us in turn
+    pings = (node.protocol.call_ping(peer, validate=True, strict=False) for peer in peers)
+    answers = await asyncio.gather(*(asyncio.wait_for(ping, timeout_s) for ping in pings), return_exceptions=True)
     return sum(answer is not None and not isinstance(answer, BaseException) for answer in answers)
 
 
@@ -122,11 +123,11 @@ class ProgressBeacon:
         with self._lock:
             return dict(self._record)
 
-    def publish_now(self) -> None:
+    def publish_now(self) -> Future | None:
         record = self.own_record()
         if not record:
-            return
-        self._dht.store(
+            return None
+        return self._dht.store(
             self._key,
             subkey=self._dht.peer_id.to_base58(),
             value=record,
@@ -166,6 +167,18 @@ class ProgressBeacon:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * self._period_s)
+
+    def leave(self) -> None:
+        """Close, then publish a last record that says this peer left: the others stop counting it at once (in
+        a round's budget, a group's expected size, the peers a finishing peer waits for), not when it expires."""
+        self.close()
+        self.update(left=True, time=get_dht_time())
+        try:
+            future = self.publish_now()
+            if future is not None:
+                future.result(timeout=2.0)
+        except Exception as e:  # leaving anyway: the record expires by itself
+            logger.debug("could not publish the departure: %r", e)
 
 
 def _log_rejoin(future: Future) -> None:
@@ -283,7 +296,7 @@ class SwarmLink:
         return canonical if canonical is not None and 2 * votes[canonical] >= sum(votes.values()) else None
 
     def live_peers(self) -> dict[str, dict]:
-        """Progress records of the other peers whose record has not expired."""
+        """Progress records of the other peers whose record has not expired and who have not said they left."""
         try:  # bounded: a DHT process that died (or a p2pd that did) must not hang the training loop
             peers = read_progress(self.dht, self._progress_key)
         except Exception as e:
@@ -298,6 +311,13 @@ class SwarmLink:
         if beacon is None:
             return {}
         return {self.peer_id: beacon.own_record(), **beacon.peers}
+
+    def peers_behind(self, outer_step: int) -> int:
+        """Live peers whose last progress record is at an earlier outer step (as of the beacon's last read)."""
+        beacon = self._beacon
+        if beacon is None:
+            return 0
+        return sum(int(r.get("outer_step", -1)) < outer_step for r in list(beacon.peers.values()))
 
     def swarm_outer_step(self) -> int:
         """The highest outer step that any live peer reports (-1 when alone)."""
@@ -462,9 +482,10 @@ class SwarmLink:
         )
 
     def close(self) -> None:
-        """Leave the swarm: stop publishing, shut the averager and the DHT (and its p2pd) down."""
+        """Leave the swarm: say so in the progress record, stop publishing, shut the averager and the DHT (and
+        its p2pd) down."""
         if self._beacon is not None:
-            self._beacon.close()
+            self._beacon.leave()
             self._beacon = None
         if self._averager is not None:
             if self._averager.is_alive():

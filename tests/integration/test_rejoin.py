@@ -93,3 +93,25 @@ def test_beacons_bring_back_together_two_dhts_that_forgot_each_other():
         for dht in (second, first):
             if dht is not None:
                 dht.shutdown()
+
+
+def test_a_peer_that_leaves_says_so_and_drops_out_of_the_others_view_before_its_record_expires():
+    first = start_dht(SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",)))
+    second, beacons = None, []
+    ttl_s = 60.0  # far longer than the test waits: only the departure record can take the peer out of view
+    try:
+        addresses = tuple(str(a) for a in first.get_visible_maddrs())
+        second = start_dht(SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=addresses))
+        beacons = [ProgressBeacon(dht, _KEY, _PERIOD_S, ttl_s, _reader(dht)) for dht in (first, second)]
+        for step, beacon in enumerate(beacons):
+            beacon.update(outer_step=step)
+        assert _wait(lambda: all(beacon.peers for beacon in beacons), 20)
+        beacons[1].leave()
+        assert _wait(lambda: not beacons[0].peers, 10), beacons[0].peers
+        assert not _reader(first)()  # read straight from the DHT as well
+    finally:
+        for beacon in beacons:
+            beacon.close()
+        for dht in (second, first):
+            if dht is not None:
+                dht.shutdown()

@@ -41,6 +41,8 @@ class FakeLink:
         self.calls: list[dict] = []
         self.futures: list[Future] = []
         self.views_asked: list[int] = []
+        self.behind: list[int] = []  # what peers_behind answers, one call after the other (then 0)
+        self.behind_asked: list[int] = []
         self.published: list[dict] = []
         self._due: list[tuple[int, Future, AveragingOutcome]] = []  # (inner steps left, future, outcome)
 
@@ -63,6 +65,10 @@ class FakeLink:
 
     def swarm_outer_step(self) -> int:
         return -1  # alone: nobody is ahead
+
+    def peers_behind(self, outer_step: int) -> int:
+        self.behind_asked.append(outer_step)
+        return self.behind.pop(0) if self.behind else 0
 
     def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
         return own_sha
@@ -96,11 +102,17 @@ class ListSink:
         pass
 
 
-def _config(make_config, inner: InnerConfig | None = None, outer: OuterConfig | None = None, max_outer_steps: int = 0):
+def _config(
+    make_config,
+    inner: InnerConfig | None = None,
+    outer: OuterConfig | None = None,
+    max_outer_steps: int = 0,
+    straggler_wait_s: float = 20.0,
+):
     return make_config(
         inner=inner or InnerConfig(inner_steps=H, batch_size=BATCH, lr=1e-2, grad_clip_norm=1.0),
         outer=outer or OuterConfig(lr=0.7, momentum=0.9),
-        run=RunConfig(max_outer_steps=max_outer_steps, eval_batches=1, seed=3),
+        run=RunConfig(max_outer_steps=max_outer_steps, eval_batches=1, seed=3, straggler_wait_s=straggler_wait_s),
     )
 
 
@@ -350,3 +362,39 @@ def test_throttle_multiplies_the_compute_time_of_a_step(make_config):
     # the fastest step of each: other load on the machine can only add time, so the minimum is the steadiest
     ratio = min(step_s[3.0]) / min(step_s[1.0])
     assert ratio > 2, f"throttle 3 took {ratio:.2f}x the time per step of throttle 1: {step_s}"
+
+
+# (e) at the planned end, a peer stays a while as a donor for peers still behind ---------------------------------
+
+
+def test_at_the_planned_end_the_peer_waits_while_a_peer_is_behind_then_leaves(make_config):
+    learner = _learner(_config(make_config, max_outer_steps=1))
+    link = FakeLink(complete_after=0)
+    link.behind = [1, 1, 1]  # one peer behind for three looks, then caught up
+    started = time.monotonic()
+    learner.run(link)
+    assert learner.outer_step == 1
+    assert link.behind_asked == [1, 1, 1, 1]  # asked until nobody was behind, never past that
+    assert time.monotonic() - started >= 3 * 0.5  # it polled every 0.5 s meanwhile
+
+
+def test_the_straggler_wait_is_bounded_and_skipped_on_a_stop_request_or_when_disabled(make_config):
+    learner = _learner(_config(make_config, max_outer_steps=1, straggler_wait_s=1.0))
+    link = FakeLink(complete_after=0)
+    link.behind = [1] * 100  # somebody behind for good (a dead peer whose record has not expired, say)
+    started = time.monotonic()
+    learner.run(link)
+    assert 1.0 <= time.monotonic() - started < 10 and 2 <= len(link.behind_asked) <= 4
+
+    disabled = _learner(_config(make_config, max_outer_steps=1, straggler_wait_s=0.0))
+    link = FakeLink(complete_after=0)
+    link.behind = [1] * 100
+    disabled.run(link)
+    assert link.behind_asked == []
+
+    stopped = _learner(_config(make_config, max_outer_steps=0))  # no planned end: it stops on request only
+    link = FakeLink(complete_after=0)
+    link.behind = [1] * 100
+    threading.Timer(0.5, stopped.stop.set).start()
+    stopped.run(link)
+    assert link.behind_asked == []
