@@ -4,6 +4,7 @@ good; the progress beacon pings the peers it knew and brings them back together.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from hivemind import DHT
@@ -16,11 +17,25 @@ from p2p_diloco.swarm import ProgressBeacon, read_progress
 _KEY, _PERIOD_S, _TTL_S = "rejoin-test.progress", 0.5, 3.0
 
 
-async def _forget_everyone(dht: DHT, node: DHTNode) -> int:
-    """What timeouts on every request do to a routing table: every peer dropped. Returns how many were there."""
-    known = list(node.protocol.routing_table.uid_to_peer_id)
+async def _forget_everyone(dht: DHT, node: DHTNode, deaf_s: float = 2.0) -> int:
+    """What timeouts on every request do to a routing table: every peer dropped. Returns how many were there.
+
+    For ``deaf_s`` the table also ignores updates, as a frozen peer's does: a request in flight when the table
+    was emptied (the beacons publish and read all the time) must not put the other back at once."""
+    protocol = node.protocol
+
+    async def ignore(*args: object, **kwargs: object) -> None:
+        return None
+
+    async def hear_again() -> None:
+        await asyncio.sleep(deaf_s)
+        del protocol.update_routing_table  # the class's method again
+
+    protocol.update_routing_table = ignore
+    known = list(protocol.routing_table.uid_to_peer_id)
     for node_id in known:
-        del node.protocol.routing_table[node_id]
+        del protocol.routing_table[node_id]
+    asyncio.create_task(hear_again())
     return len(known)
 
 
@@ -75,16 +90,14 @@ def test_beacons_bring_back_together_two_dhts_that_forgot_each_other():
         assert beacons[1].rejoins >= 1  # it was the second's ping that healed both tables
         assert first.run_coroutine(_routing_table_size) == 1 and second.run_coroutine(_routing_table_size) == 1
 
-        # forgotten again, and the second restarted knowing nobody: the first pings it from its records alone
+        # forgotten again while the second has no beacon (so it pings nobody): the first, which has no initial
+        # peers, pings it from the records it saw alone, once the second's last record in its storage expired
         beacons.pop().close()
         rejoins = beacons[0].rejoins
-        for _ in range(5):  # the first keeps publishing: a request in flight could re-add the other at once
-            first.run_coroutine(_forget_everyone), second.run_coroutine(_forget_everyone)
-            time.sleep(0.2)
-        beacons.append(ProgressBeacon(second, _KEY, _PERIOD_S, _TTL_S, _reader(second)))
-        beacons[1].update(outer_step=2)
-        # each still reads the other's last records from its own storage until they expire; then the first is alone
+        first.run_coroutine(_forget_everyone), second.run_coroutine(_forget_everyone)
         assert _wait(lambda: beacons[0].rejoins > rejoins, 20), "the first never pinged the peer it had seen"
+        beacons.append(ProgressBeacon(second, _KEY, _PERIOD_S, _TTL_S, _reader(second)))  # knows nobody
+        beacons[1].update(outer_step=2)
         fresh = lambda: beacons[0].peers.get(second.peer_id.to_base58(), {}).get("outer_step") == 2  # noqa: E731
         assert _wait(lambda: fresh() and beacons[1].peers, 20), [b.rejoins for b in beacons]
     finally:
