@@ -129,6 +129,9 @@ def analyse(name: str, folder: Path, records: dict[str, list[dict]], wall_s: flo
         honest_finish_s=max((recs[-1]["time_s"] for recs in honest.values() if recs), default=None),
         honest_blocked_s=round(sum(recs[-1]["blocked_s"] for recs in honest.values() if recs), 2),
         honest_failed_rounds=sum(r["status"] in ("partial", "error", "no_group") for recs in honest.values() for r in recs),
+        # a round abandoned because the swarm moved past it (a peer that caught up chasing the others): its progress
+        # flows into a later round, as a failed round's does
+        honest_stale_rounds=sum(r["status"] == "stale" for recs in honest.values() for r in recs),
         adversary_named_in_metrics_by=named_in,
         adversary_refused_in_logs_of=logged,
         adversary_in_honest_group=in_honest_group,
@@ -190,6 +193,7 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             delay_s=round(result["honest_finish_s"] - base_finish, 1)
             if result["honest_finish_s"] is not None and base_finish is not None else None,
             honest_failed_rounds=result["honest_failed_rounds"],
+            honest_stale_rounds=result.get("honest_stale_rounds"),
             adversary_named=None if result["scenario"] == "calm" else named,
             named_by=result["adversary_named_in_metrics_by"] or result["adversary_refused_in_logs_of"],
         ))
@@ -209,15 +213,17 @@ def _run_with_retries(name: str, run: str, out_dir: Path, flags: list[str], args
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    head = "| attack | outer steps | eval loss | vs calm | honest non-finite | invariant 1 | delay (s) | failed honest rounds | adversary named |"
-    lines = [head, "|" + "---|" * 9]
+    head = ("| attack | outer steps | eval loss | vs calm | honest non-finite | invariant 1 | delay (s) | failed honest rounds "
+            "| stale honest rounds | adversary named |")
+    lines = [head, "|" + "---|" * 10]
     for row in rows:
         change = f"{100 * row['eval_loss_vs_calm']:+.2f}%" if row["eval_loss_vs_calm"] is not None else "-"
         loss = f"{row['eval_loss']:.4f}" if row["eval_loss"] is not None else "-"
         named = "-" if row["adversary_named"] is None else ("yes" if row["adversary_named"] else "NO")
         lines.append(
             f"| {row['run']} | {row['final_outer_step']} | {loss} | {change} | {row['honest_non_finite']} | "
-            f"{'held' if row['invariant_1'] else 'VIOLATED'} | {row['delay_s']} | {row['honest_failed_rounds']} | {named} |"
+            f"{'held' if row['invariant_1'] else 'VIOLATED'} | {row['delay_s']} | {row['honest_failed_rounds']} | "
+            f"{row.get('honest_stale_rounds', '-')} | {named} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -10,7 +10,10 @@ Built on averaging.py's exact all-reduce (same bytes for every peer), by subclas
   (``robust.result_problem``) before it is applied; a bad one fails the round on our side ("partial all-reduce",
   the failed-round path: the learner then catches up from the swarm) instead of corrupting our params.
 - ``GuardedAverager``: passes the weight limits for the round to its runner, hands the rejections back to the
-  parent process, and in a closed run (``membership``) refuses every averaging RPC from a non-member.
+  parent process, and in a closed run (``membership``) refuses every averaging RPC from a non-member. A reducer
+  that returned bad averages is banned: never led by, never let into a group we lead, and named in each of our
+  group requests, so that it reduces no part in any group with us in it (``robust.demote_reducers``), even one
+  that a groupmate who has not banned it let it into.
 
 It does not decide who is a member (membership.py) nor what a failed round means (the learner does).
 """
@@ -30,7 +33,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco.averaging import DilocoAverager, ExactAllReduceRunner, PartialRoundError
-from p2p_diloco.robust import RobustPolicy, result_problem, robust_average
+from p2p_diloco.robust import RobustPolicy, demote_reducers, result_problem, robust_average
 
 logger = logging.getLogger(__name__)
 _PLACEHOLDER = torch.zeros(())  # what hivemind's accumulator adds (times weight 0) while we hold the real part
@@ -110,7 +113,7 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
     def _register_checked(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
         container = self.tensor_part_container
         sent = container._input_parts_by_peer[peer_index][part_index][0]  # what we sent that reducer (hivemind 1.1.12)
-        problem = result_problem(part, sent, self.guard.policy)
+        problem = result_problem(part, sent, self.guard.policy, self.guard.weight_ratio)
         if problem is None:
             return self._register_unchecked(peer_index, part_index, part)
         reducer = self.ordered_peer_ids[peer_index].to_base58()
@@ -127,6 +130,7 @@ class RoundGuard:
 
     def __init__(self, policy: RobustPolicy, allowed: dict[str, float]):
         self.policy, self.allowed = policy, allowed
+        self.weight_ratio = 1.0  # the group's largest (bounded) weight over ours: how much larger its average may be
         self.rejected: dict[str, str] = {}
         self.bad_results: list[str] = []  # reducers whose averages we refused
         self.only_too_large: set[str] = set()  # ... of which the averages were finite and well-formed, only too large
@@ -153,6 +157,9 @@ class GuardedAverager(DilocoAverager):
         # it every round. So a reducer is banned at its second bad round (at once for a non-finite or misshapen one)
         self._strikes: dict[str, int] = {}
         self._rejections = mp.SimpleQueue()  # child -> parent: one list of (peer, reason) per all-reduce
+        self._bans = mp.SimpleQueue()  # child -> parent: each peer id as it is banned
+        self._banned_here: set[str] = set()  # the parent's copy of ``_banned``
+        self._demoted_before: set[str] = set()  # peers we saw demoted already (logged once)
         kwargs.setdefault("runner_class", GuardedAllReduceRunner)
         super().__init__(*args, **kwargs)
 
@@ -173,8 +180,64 @@ class GuardedAverager(DilocoAverager):
             found.extend(self._rejections.get())
         return found
 
+    def banned_peers(self) -> frozenset[str]:
+        """(Parent process) the peers our averager banned so far, reducers that returned bad averages. The swarm
+        link stops counting them as live (no group waits for them, no round budget includes them), and each
+        group request carries them, so that no group with one of us in it lets them reduce (``demote_reducers``)."""
+        while not self._bans.empty():
+            self._banned_here.add(self._bans.get())
+        return frozenset(self._banned_here)
+
+    def step(self, gather: Any = None, **kwargs: Any) -> Any:
+        if isinstance(gather, dict):
+            gather = {**gather, "banned": sorted(self.banned_peers())}
+        return super().step(gather=gather, **kwargs)
+
+    def _gathered(self, group_info: Any) -> list[dict]:
+        """Each member's own data from its group request (``run_averaging``'s gather), {} where unreadable."""
+        found: list[dict] = []
+        for entry in group_info.gathered:
+            try:
+                user = self.serializer.loads(self.serializer.loads(entry)[2])
+            except Exception:  # hivemind parsed the same bytes before us: only a hostile entry gets here
+                user = None
+            found.append(user if isinstance(user, dict) else {})
+        return found
+
+    def _weight_ratio(self, group_info: Any, gathered: list[dict], guard: RoundGuard) -> float:
+        """The largest weight a groupmate declared (bounded by its published progress) over ours; 1 if unknown."""
+        names = [peer.to_base58() for peer in group_info.peer_ids]
+        own = names.index(self.peer_id.to_base58()) if self.peer_id in group_info.peer_ids else None
+        weights = []
+        for name, data in zip(names, gathered):
+            weight = data.get("weight")
+            if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+                weights.append(0.0)
+                continue
+            limit = guard.allowed.get(name)
+            weights.append(min(float(weight), limit * guard.policy.weight_margin) if limit is not None else float(weight))
+        if own is None or weights[own] <= 0:
+            return 1.0
+        return max(weights) / weights[own]
+
+    def _demote_banned(self, group_info: Any, gathered: list[dict], fractions: Sequence[float]) -> tuple[float, ...]:
+        """The reducer shares of this group once the peers a groupmate banned are given none (robust.py)."""
+        peer_ids = [peer.to_base58() for peer in group_info.peer_ids]
+        bans = [data.get("banned") for data in gathered]
+        demoted_fractions, demoted = demote_reducers(peer_ids, fractions, bans)
+        for peer, accusers in demoted.items():
+            (logger.info if peer not in self._demoted_before else logger.debug)(
+                "%s reduces no part in this group: banned by %s", peer, accusers
+            )
+            self._demoted_before.add(peer)
+        return demoted_fractions
+
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, group_id=None, **kwargs):
         guard = RoundGuard(self.policy, dict(self._allowed))
+        gathered = self._gathered(group_info)
+        guard.weight_ratio = self._weight_ratio(group_info, gathered, guard)
+        if "peer_fractions" in kwargs:
+            kwargs["peer_fractions"] = self._demote_banned(group_info, gathered, kwargs["peer_fractions"])
         try:
             await super()._run_allreduce_inplace_(tensors, group_info, group_id, guard=guard, **kwargs)
         except PartialRoundError as e:
@@ -188,6 +251,7 @@ class GuardedAverager(DilocoAverager):
                 if self._strikes[reducer] >= 2 and reducer not in self._banned:
                     logger.warning("banning %s from our averaging groups: returned bad averages", reducer)
                     self._banned.add(reducer)
+                    self._bans.put(reducer)
 
     async def _set_round(self, group_bits: str, target: int | None, future: MPFuture) -> None:
         self._skip_banned_leaders()
@@ -207,8 +271,21 @@ class GuardedAverager(DilocoAverager):
         matchmaking._request_join_group = unless_banned
         matchmaking._skips_banned = True
 
-    async def _refused(self, peer: PeerID, what: str) -> bool:
-        if peer.to_base58() in self._banned:
+    def _outer_step_of(self, data_for_gather: bytes | None) -> object:
+        try:
+            user = self.serializer.loads(self.serializer.loads(data_for_gather)[2])
+            return user.get("outer_step") if isinstance(user, dict) else None
+        except Exception:
+            return None
+
+    def _same_outer_step(self, joiner_gather: bytes) -> bool:
+        """Whether a joiner declares the outer step we are averaging (True while we average none: hivemind decides)."""
+        control = getattr(self._matchmaking, "step_control", None)
+        ours = self._outer_step_of(control.data_for_gather) if control is not None else None
+        return ours is None or self._outer_step_of(joiner_gather) == ours
+
+    async def _refused(self, peer: PeerID, what: str, banned_too: bool = True) -> bool:
+        if banned_too and peer.to_base58() in self._banned:
             return True
         if self.membership is None:
             return False
@@ -222,13 +299,20 @@ class GuardedAverager(DilocoAverager):
         if await self._refused(context.remote_id, "join an averaging group"):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
+        if not self._same_outer_step(request.gather):
+            # the group key says which outer step a group averages, but a search cancelled late, or a hostile
+            # peer, can come in under our key with another step: the whole group would then fail the round
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
+            return
         async for response in super().rpc_join_group(request, context):
             yield response
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        if await self._refused(context.remote_id, "send parts"):
+        # a banned peer in our group (a groupmate that has not banned it let it in) still sends: its parts are
+        # checked like anyone's, and refusing them would only make every reducer wait for it until its timeout
+        if await self._refused(context.remote_id, "send parts", banned_too=False):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_aggregate_part(stream, context):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,10 +38,13 @@ class RobustPolicy:
     # peers differed up to ~30x per token in one group: catch-ups and token counts do not move together exactly)
     max_weight_ratio: float = 10.0  # with >= 3 senders, a weight may be at most this times the median weight
     weight_margin: float = 1.5  # a declared weight may exceed the tokens a sender published by this factor
-    result_norm_ratio: float = 100.0  # an averaged part may be at most this times the norm of the part we sent
+    result_norm_ratio: float = 100.0  # an averaged part may be at most this times the norm of the part we sent...
+    # ...times how many more tokens the group's largest sender trained than we did, up to this factor: a peer
+    # that caught up a moment ago sends a tiny outer gradient, and honest averages were 100-190x its norm
+    result_weight_scale_cap: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("max_norm_ratio", "max_weight_ratio", "weight_margin", "result_norm_ratio"):
+        for name in ("max_norm_ratio", "max_weight_ratio", "weight_margin", "result_norm_ratio", "result_weight_scale_cap"):
             if not getattr(self, name) >= 1.0:
                 raise ValueError(f"RobustPolicy.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -131,18 +135,50 @@ def robust_average(
     return result, rejected
 
 
-def result_problem(result: torch.Tensor, sent: torch.Tensor, policy: RobustPolicy) -> str | None:
+def demote_reducers(
+    peer_ids: Sequence[str], fractions: Sequence[float], bans: Sequence[object]
+) -> tuple[tuple[float, ...], dict[str, str]]:
+    """Reducer shares with every peer that a groupmate banned given none (it sends, but reduces nothing).
+
+    ``bans[i]``: what peer i published with its group request, the peers it banned (anything else counts as
+    none). Every member computes this from the same gathered data, so all agree on who reduces what (invariant 1).
+    A peer's ban of itself is ignored, and so are the bans of a peer that names more than half of its groupmates
+    (a banned peer naming the others back would otherwise cancel every demotion). When the bans would leave no
+    reducer at all, nobody is demoted (a banned reducer then fails the round, as before). Returns the new
+    fractions (unchanged if nobody is demoted) and, per demoted peer, who banned it.
+    """
+    named: dict[str, list[str]] = {}
+    for accuser, banned in zip(peer_ids, bans, strict=True):
+        if not isinstance(banned, (list, tuple)):
+            continue
+        groupmates = {peer for peer in banned if isinstance(peer, str) and peer != accuser and peer in peer_ids}
+        if 2 * len(groupmates) > len(peer_ids) - 1:  # an honest peer bans the odd bad reducer, not most of a group
+            continue
+        for peer in sorted(groupmates):
+            named.setdefault(peer, []).append(accuser)
+    kept = [0.0 if peer in named else float(fraction) for peer, fraction in zip(peer_ids, fractions, strict=True)]
+    total = sum(kept)
+    demoted = {peer: ", ".join(accusers) for peer, accusers in named.items() if fractions[peer_ids.index(peer)] > 0}
+    if not demoted or total <= 0:
+        return tuple(fractions), {}
+    return tuple(fraction / total for fraction in kept), demoted
+
+
+def result_problem(result: torch.Tensor, sent: torch.Tensor, policy: RobustPolicy, weight_ratio: float = 1.0) -> str | None:
     """Why an averaged part returned by a reducer must not be applied, or None if it may.
 
     The average of accepted parts is at most ``max_norm_ratio`` times the median sender's norm, so a result far
-    larger than what we sent (``result_norm_ratio``) is garbage; so is a wrong shape or a non-finite value.
+    larger than what we sent is garbage: more than ``result_norm_ratio`` times our part's norm, times
+    ``weight_ratio`` (the group's largest weight over ours, within [1, ``result_weight_scale_cap``]: a sender
+    that trained more tokens sends a larger outer gradient). So is a wrong shape or a non-finite value.
     """
     problem = part_problem(result, sent.shape)
     if problem is not None:
         return problem
+    limit = policy.result_norm_ratio * min(policy.result_weight_scale_cap, max(1.0, weight_ratio))
     sent_norm, result_norm = float(sent.norm()), float(result.norm())
-    if sent_norm > 0 and result_norm > policy.result_norm_ratio * sent_norm:
-        return f"norm {result_norm:.3g} > {policy.result_norm_ratio:g}x the norm we sent ({sent_norm:.3g})"
+    if sent_norm > 0 and result_norm > limit * sent_norm:
+        return f"norm {result_norm:.3g} > {limit:.3g}x the norm we sent ({sent_norm:.3g})"
     return None
 
 

@@ -216,6 +216,7 @@ class SwarmLink:
         # one residual per streaming fragment: outer step r carries fragment r % fragments
         self._error_feedback = [ErrorFeedback(self.codec) for _ in range(fragments)] if config.compression == "int4" else None
         self._averager: GuardedAverager | None = None
+        self._banned: frozenset[str] = frozenset()  # peers our averager banned (bad averages): not live to us any more
         self._beacon: ProgressBeacon | None = None
         previous_sigint = signal.getsignal(signal.SIGINT)
         try:
@@ -296,13 +297,16 @@ class SwarmLink:
         return canonical if canonical is not None and 2 * votes[canonical] >= sum(votes.values()) else None
 
     def live_peers(self) -> dict[str, dict]:
-        """Progress records of the other peers whose record has not expired and who have not said they left."""
+        """Progress records of the other peers whose record has not expired, who have not said they left and whom
+        our averager has not banned."""
         try:  # bounded: a DHT process that died (or a p2pd that did) must not hang the training loop
             peers = read_progress(self.dht, self._progress_key)
         except Exception as e:
             logger.debug("reading progress records failed: %r", e)
             return dict(self._beacon.peers) if self._beacon is not None else {}
         peers.pop(self.peer_id, None)
+        for peer in self._banned:  # they can't join our groups: waiting for them would stall every round
+            peers.pop(peer, None)
         return peers
 
     def progress_records(self) -> dict[str, dict]:
@@ -374,6 +378,7 @@ class SwarmLink:
             lambda: self._moved_past(outer_step),
         )
         rejected = tuple(self._averager.take_rejections())
+        self._banned = self._averager.banned_peers()
         return dataclasses.replace(outcome, rejected=rejected) if rejected else outcome
 
     def _read_progress(self) -> dict[str, dict]:

@@ -114,12 +114,13 @@ def test_a_nan_sender_is_left_out_and_named_by_every_honest_reducer():
         assert (got - want).norm() / want.norm() < 0.03
 
 
-def test_a_reducer_returning_garbage_fails_the_round_instead_of_corrupting_it():
+def test_a_reducer_returning_garbage_fails_the_round_then_is_banned_and_the_honest_average_without_it():
     torch.manual_seed(1)
     inputs = [[torch.randn(shape) for shape in SHAPES] for _ in range(3)]
     dhts = _dhts([[], [], []])
     averagers = [_averager(dhts[0]), _averager(dhts[1]), _averager(dhts[2], GarbageReducerRunner)]
     garbage_id = dhts[2].peer_id.to_base58()
+    honest_ids = sorted(dht.peer_id.to_base58() for dht in dhts[:2])
     try:
         with averagers[0].get_tensors() as before:
             before = [t.clone() for t in before]
@@ -127,6 +128,10 @@ def test_a_reducer_returning_garbage_fails_the_round_instead_of_corrupting_it():
         rejections = averagers[0].take_rejections()
         with averagers[0].get_tensors() as after:
             untouched = all(torch.equal(a, inputs[0][k]) or torch.equal(a, before[k]) for k, a in enumerate(after))
+        bans_after_one = [sorted(averager.banned_peers()) for averager in averagers[:2]]
+        second = _average_concurrently(averagers, inputs, [1.0, 1.0, 1.0])  # a finite, too-large average: 2 strikes
+        bans_after_two = [sorted(averager.banned_peers()) for averager in averagers[:2]]
+        third = _average_concurrently(averagers, inputs, [1.0, 1.0, 1.0])
     finally:
         _close(dhts, averagers)
     for outcome in outcomes[:2]:
@@ -134,6 +139,17 @@ def test_a_reducer_returning_garbage_fails_the_round_instead_of_corrupting_it():
         assert garbage_id in outcome.reason
     assert any(peer == garbage_id and "bad average" in why for peer, why in rejections), rejections
     assert untouched  # the averager's tensors were not overwritten with the garbage
+    assert bans_after_one == [[], []]  # one too-large average may be an honest one seen by a peer that just caught up
+    assert all(outcome.status == "partial" for outcome in second[:2]), [o.status for o in second]
+    assert bans_after_two == [[garbage_id], [garbage_id]]  # the swarm link stops counting it as live
+    expected = [(a + b) / 2 for a, b in zip(inputs[0], inputs[1])]
+    for outcome in third[:2]:  # banned: refused as member and as leader, so the honest two average on their own
+        assert outcome.status == "ok", (outcome.status, outcome.reason)
+        assert sorted(outcome.peers) == honest_ids
+        for got, want in zip(outcome.averaged, expected):
+            assert (got - want).norm() / want.norm() < 0.03
+    for mine, theirs in zip(third[0].averaged, third[1].averaged):
+        assert torch.equal(mine, theirs)
 
 
 def _publish_progress(dht: DHT) -> None:

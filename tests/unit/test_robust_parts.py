@@ -11,7 +11,15 @@ from hivemind.dht.validation import DHTRecord
 
 from p2p_diloco.guarded import RobustPartReducer
 from p2p_diloco.membership import MemberRecordValidator, load_swarm_key
-from p2p_diloco.robust import RobustPolicy, TokenLedger, clamp_weights, part_problem, result_problem, robust_average
+from p2p_diloco.robust import (
+    RobustPolicy,
+    TokenLedger,
+    clamp_weights,
+    demote_reducers,
+    part_problem,
+    result_problem,
+    robust_average,
+)
 
 POLICY = RobustPolicy()
 SHAPE = torch.Size([512])
@@ -118,6 +126,16 @@ def test_a_result_far_from_what_we_sent_is_refused():
     assert "shape" in result_problem(sent[:10], sent, POLICY)
 
 
+def test_a_peer_that_trained_few_tokens_allows_a_larger_average_up_to_a_cap():
+    sent = _parts(1)[0]  # a peer that caught up a moment ago: honest averages were up to 190x its part's norm
+    assert "norm" in result_problem(sent * 190, sent, POLICY)
+    assert result_problem(sent * 190, sent, POLICY, weight_ratio=40.0) is None  # the others trained 40x more tokens
+    assert result_problem(sent * 0.5, sent, POLICY, weight_ratio=0.1) is None  # a ratio below 1 counts as 1
+    assert "norm" in result_problem(sent * 200, sent, POLICY, weight_ratio=0.1)
+    # the cap: however large the weights claimed, a garbage average (1e4x) is still refused
+    assert "norm" in result_problem(sent * 1e4, sent, POLICY, weight_ratio=1e6)
+
+
 def test_robust_reducer_keeps_hivemind_part_order_and_reports_rejections():
     parts = [_parts(3, seed=k) for k in range(2)]  # two parts, three senders
     reports: list[tuple[int, str]] = []
@@ -169,3 +187,24 @@ def test_member_records_are_tagged_and_anything_else_is_refused(tmp_path):
         load_swarm_key(short)
     with pytest.raises(ValueError, match="cannot read"):
         load_swarm_key(tmp_path / "missing.key")
+
+
+def test_a_peer_banned_by_a_groupmate_reduces_nothing_and_the_others_share_its_part():
+    peers = ["a", "b", "g"]
+    fractions, demoted = demote_reducers(peers, (0.25, 0.25, 0.5), [["g"], None, []])
+    assert fractions == (0.5, 0.5, 0.0) and demoted == {"g": "a"}
+    assert demote_reducers(peers, (0.25, 0.25, 0.5), [None, [], "g"]) == ((0.25, 0.25, 0.5), {})  # not a list: none
+
+
+def test_demotion_ignores_self_bans_strangers_and_bans_that_would_leave_no_reducer():
+    peers = ["a", "b", "g"]
+    assert demote_reducers(peers, (0.5, 0.5, 0.0), [["a"], ["x", 3], ["g"]]) == ((0.5, 0.5, 0.0), {})
+    # a member naming most of its group is not believed: the banned one naming the others back changes nothing
+    fractions, demoted = demote_reducers(peers, (0.25, 0.25, 0.5), [["g"], [], ["a", "b"]])
+    assert fractions == (0.5, 0.5, 0.0) and demoted == {"g": "a"}
+    # bans that would leave no reducer: nobody is demoted
+    assert demote_reducers(["a", "g"], (0.5, 0.5), [["g"], ["a"]]) == ((0.5, 0.5), {})
+    # a client (share 0) named by someone is not reported as demoted
+    assert demote_reducers(peers, (0.5, 0.5, 0.0), [["g"], [], []]) == ((0.5, 0.5, 0.0), {})
+    fractions, demoted = demote_reducers(peers, (0.2, 0.3, 0.5), [["b"], [], ["a"]])
+    assert fractions == (0.0, 0.0, 1.0) and demoted == {"a": "g", "b": "a"}
