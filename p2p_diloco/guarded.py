@@ -33,7 +33,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco.averaging import DilocoAverager, ExactAllReduceRunner, PartialRoundError
-from p2p_diloco.robust import RobustPolicy, demote_reducers, result_problem, robust_average
+from p2p_diloco.robust import RobustPolicy, demote_reducers, result_excess, result_problem, robust_average
 
 logger = logging.getLogger(__name__)
 _PLACEHOLDER = torch.zeros(())  # what hivemind's accumulator adds (times weight 0) while we hold the real part
@@ -119,8 +119,9 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
         reducer = self.ordered_peer_ids[peer_index].to_base58()
         self.guard.reject(reducer, f"returned a bad average: {problem}")
         self.guard.bad_results.append(reducer)
-        if problem.startswith("norm"):
-            self.guard.only_too_large.add(reducer)
+        excess = result_excess(part, sent, self.guard.policy, self.guard.weight_ratio)
+        if problem.startswith("norm") and excess < self.guard.policy.result_ban_excess:
+            self.guard.only_too_large.add(reducer)  # perhaps honest, seen by a peer that just caught up: one strike
         container.register_failed_reducer(peer_index)  # its parts count as lost: the round fails on our side
         raise AllreduceException(f"reducer {reducer} returned a bad average: {problem}")
 
@@ -133,7 +134,8 @@ class RoundGuard:
         self.weight_ratio = 1.0  # the group's largest (bounded) weight over ours: how much larger its average may be
         self.rejected: dict[str, str] = {}
         self.bad_results: list[str] = []  # reducers whose averages we refused
-        self.only_too_large: set[str] = set()  # ... of which the averages were finite and well-formed, only too large
+        self.only_too_large: set[str] = set()  # ... of which the averages were finite, well-formed and at most
+        # result_ban_excess times too large
 
     def reject(self, peer: str, reason: str) -> None:
         if peer not in self.rejected:
@@ -154,7 +156,8 @@ class GuardedAverager(DilocoAverager):
         self._banned: set[str] = set()  # reducers that returned a bad average: never grouped with again (this process)
         # rounds in which each reducer returned a bad average: a peer that caught up a moment ago sends a tiny
         # outer gradient, and an honest average can then look 100x too large to it once; a garbage reducer does
-        # it every round. So a reducer is banned at its second bad round (at once for a non-finite or misshapen one)
+        # it every round. So a reducer is banned at its second bad round (at once for a non-finite or misshapen
+        # one, or one more than result_ban_excess times over the limit)
         self._strikes: dict[str, int] = {}
         self._rejections = mp.SimpleQueue()  # child -> parent: one list of (peer, reason) per all-reduce
         self._bans = mp.SimpleQueue()  # child -> parent: each peer id as it is banned

@@ -42,9 +42,12 @@ class RobustPolicy:
     # ...times how many more tokens the group's largest sender trained than we did, up to this factor: a peer
     # that caught up a moment ago sends a tiny outer gradient, and honest averages were 100-190x its norm
     result_weight_scale_cap: float = 30.0
+    # an average this many times over that limit is banned at once: honest ones seen over it were within 2x
+    result_ban_excess: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("max_norm_ratio", "max_weight_ratio", "weight_margin", "result_norm_ratio", "result_weight_scale_cap"):
+        for name in ("max_norm_ratio", "max_weight_ratio", "weight_margin", "result_norm_ratio", "result_weight_scale_cap",
+                     "result_ban_excess"):
             if not getattr(self, name) >= 1.0:
                 raise ValueError(f"RobustPolicy.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -175,11 +178,20 @@ def result_problem(result: torch.Tensor, sent: torch.Tensor, policy: RobustPolic
     problem = part_problem(result, sent.shape)
     if problem is not None:
         return problem
-    limit = policy.result_norm_ratio * min(policy.result_weight_scale_cap, max(1.0, weight_ratio))
-    sent_norm, result_norm = float(sent.norm()), float(result.norm())
-    if sent_norm > 0 and result_norm > limit * sent_norm:
-        return f"norm {result_norm:.3g} > {limit:.3g}x the norm we sent ({sent_norm:.3g})"
+    if result_excess(result, sent, policy, weight_ratio) > 1.0:
+        limit = _result_limit(policy, weight_ratio)
+        return f"norm {float(result.norm()):.3g} > {limit:.3g}x the norm we sent ({float(sent.norm()):.3g})"
     return None
+
+
+def result_excess(result: torch.Tensor, sent: torch.Tensor, policy: RobustPolicy, weight_ratio: float = 1.0) -> float:
+    """How many times over ``result_problem``'s norm limit an averaged part is (0 when we sent zeros)."""
+    sent_norm = float(sent.norm())
+    return float(result.norm()) / (_result_limit(policy, weight_ratio) * sent_norm) if sent_norm > 0 else 0.0
+
+
+def _result_limit(policy: RobustPolicy, weight_ratio: float) -> float:
+    return policy.result_norm_ratio * min(policy.result_weight_scale_cap, max(1.0, weight_ratio))
 
 
 class TokenLedger:

@@ -17,6 +17,7 @@ from p2p_diloco.robust import (
     clamp_weights,
     demote_reducers,
     part_problem,
+    result_excess,
     result_problem,
     robust_average,
 )
@@ -134,6 +135,14 @@ def test_a_peer_that_trained_few_tokens_allows_a_larger_average_up_to_a_cap():
     assert "norm" in result_problem(sent * 200, sent, POLICY, weight_ratio=0.1)
     # the cap: however large the weights claimed, a garbage average (1e4x) is still refused
     assert "norm" in result_problem(sent * 1e4, sent, POLICY, weight_ratio=1e6)
+
+
+def test_how_far_over_the_limit_an_average_is():
+    sent = _parts(1)[0]
+    assert result_excess(sent * 190, sent, POLICY) == pytest.approx(1.9, rel=1e-5)  # an honest one seen once: 1 strike
+    assert result_excess(sent * 1e4, sent, POLICY) == pytest.approx(100, rel=1e-5)  # over result_ban_excess: banned
+    assert result_excess(sent * 1e4, sent, POLICY, weight_ratio=1e6) == pytest.approx(1e4 / 3000, rel=1e-5)
+    assert result_excess(sent, torch.zeros_like(sent), POLICY) == 0.0
 
 
 def test_robust_reducer_keeps_hivemind_part_order_and_reports_rejections():
