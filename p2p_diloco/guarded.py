@@ -119,9 +119,10 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
         reducer = self.ordered_peer_ids[peer_index].to_base58()
         self.guard.reject(reducer, f"returned a bad average: {problem}")
         self.guard.bad_results.append(reducer)
-        excess = result_excess(part, sent, self.guard.policy, self.guard.weight_ratio)
-        if problem.startswith("norm") and excess < self.guard.policy.result_ban_excess:
-            self.guard.only_too_large.add(reducer)  # perhaps honest, seen by a peer that just caught up: one strike
+        if problem.startswith("norm"):
+            excess = result_excess(part, sent, self.guard.policy, self.guard.weight_ratio)
+            if excess < self.guard.policy.result_ban_excess:  # perhaps honest, seen by a peer that just caught up
+                self.guard.only_too_large.add(reducer)  # one strike; more than that far over: banned at once
         container.register_failed_reducer(peer_index)  # its parts count as lost: the round fails on our side
         raise AllreduceException(f"reducer {reducer} returned a bad average: {problem}")
 
@@ -134,8 +135,8 @@ class RoundGuard:
         self.weight_ratio = 1.0  # the group's largest (bounded) weight over ours: how much larger its average may be
         self.rejected: dict[str, str] = {}
         self.bad_results: list[str] = []  # reducers whose averages we refused
-        self.only_too_large: set[str] = set()  # ... of which the averages were finite, well-formed and at most
-        # result_ban_excess times too large
+        # ... of which the averages were finite and well-formed, and under result_ban_excess times too large
+        self.only_too_large: set[str] = set()
 
     def reject(self, peer: str, reason: str) -> None:
         if peer not in self.rejected:
