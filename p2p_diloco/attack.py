@@ -9,7 +9,12 @@ outer step. The adversaries are real peers started with the hidden ``--adversary
 and lists the members' keys too, so it accepts theirs: the strongest stranger).
 
 The calm run is repeated (``--calm-runs``): the spread between calm runs is the noise of the measure, and each
-attack is compared with their mean.
+attack is compared with their mean. A calm run also starts a *bystander*: an honest peer of another run, training
+alone on the adversary's shard until the scenario ends. Every peer here shares the same 2 cores, so an adversary
+that trains (all of them do) slows the honest peers down, and slower peers overshoot each round's token budget
+by fewer tokens: at equal outer steps, honest peers beside a NaN or x1e4 sender had trained 4-13% fewer tokens
+than in calm runs of three processes.
+That is this machine's doing, not the attack's; with the bystander every run has four training processes.
 
 Per scenario, from the peers' own metrics, logs and final checkpoints:
 
@@ -44,6 +49,7 @@ from p2p_diloco.report import check_invariant_1
 SCENARIOS = ("calm", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor", "non_member", "non_member_allow_list")
 STRANGERS = ("non_member", "non_member_allow_list")
 HONEST = ("honest0", "honest1", "honest2")
+BYSTANDER_OUTER_STEPS = 1_000_000  # it trains until the scenario stops it with the others
 LATE_START_S = 8.0  # honest2 begins this much after the others, when the swarm is a few outer steps ahead
 DEFAULT_FLAGS = [
     "--n-layers", "2", "--d-model", "64", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
@@ -77,9 +83,12 @@ def run_scenario(name: str, out_dir: Path, flags: list[str], outer_steps: int, t
             begin = ["--start-at", f"{start_at + (LATE_START_S if peer == 'honest2' else 0):.1f}"]
             swarm.start(peer, shard=index, num_shards=4, extra=[*closed[peer], *begin, *_own_checkpoints(folder, peer)])
         begin = ["--start-at", f"{start_at:.1f}"]
-        if name in STRANGERS:
+        if name == "calm":  # the 2 cores shared by as many training processes as in an attack (see the docstring)
+            swarm.start("bystander", shard=3, num_shards=4, extra=[
+                *begin, "--run-id", f"attack-{run}-bystander", "--max-outer-steps", str(BYSTANDER_OUTER_STEPS)])
+        elif name in STRANGERS:
             swarm.start("adversary", shard=3, num_shards=4, extra=[*closed["adversary"], *begin])
-        elif name != "calm":
+        else:
             swarm.start("adversary", shard=3, num_shards=4, extra=[*begin, "--adversary", name])
         for peer in swarm.peers.values():
             wait_for_address(peer)

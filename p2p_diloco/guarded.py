@@ -42,8 +42,8 @@ _PLACEHOLDER = torch.zeros(())  # what hivemind's accumulator adds (times weight
 class RobustPartReducer(TensorPartReducer):
     """A reducer that averages each part over the senders that pass the checks of robust.py.
 
-    ``allowed[i]``: tokens sender i's published progress supports (None: no limit known); ``report(i, reason)`` is
-    called for every sender left out of a part or whose weight was clamped.
+    ``allowed[i]``: tokens sender i's published progress supports (None: no limit known); ``report(i, reason,
+    left_out)`` is called for every sender left out of a part (``left_out`` True) or whose weight was clamped.
     """
 
     def __init__(
@@ -52,7 +52,7 @@ class RobustPartReducer(TensorPartReducer):
         num_senders: int,
         policy: RobustPolicy,
         allowed: Sequence[float | None],
-        report: Callable[[int, str], None],
+        report: Callable[[int, str, bool], None],
     ):
         self._inputs: dict[tuple[int, int], tuple[Any, float]] = {}  # (sender, part) -> (part, declared weight)
         self._policy, self._allowed, self._report = policy, list(allowed), report
@@ -75,7 +75,7 @@ class RobustPartReducer(TensorPartReducer):
         inputs = [self._inputs[(s, index)] for s in senders]
         for key in [key for key in self._inputs if key[1] <= index]:
             del self._inputs[key]
-        result, notes = robust_average(
+        result, notes, left_out = robust_average(
             [part for part, _ in inputs],
             [weight if isinstance(weight, int | float) else math.nan for _, weight in inputs],
             [self._allowed[s] for s in senders],
@@ -83,7 +83,7 @@ class RobustPartReducer(TensorPartReducer):
             self._policy,
         )
         for position, reason in notes.items():
-            self._report(senders[position], reason)
+            self._report(senders[position], reason, position in left_out)
         return result
 
 
@@ -103,7 +103,7 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
             len(self.sender_peer_ids),
             guard.policy,
             [guard.allowed.get(name) for name in names],
-            lambda sender, reason: guard.reject(names[sender], reason),
+            lambda sender, reason, left_out: guard.reject(names[sender], reason, left_out),
         )
         # hivemind registers each reducer's result in its container; check it there first, whoever the reducer is
         container = self.tensor_part_container
@@ -134,11 +134,14 @@ class RoundGuard:
         self.policy, self.allowed = policy, allowed
         self.weight_ratio = 1.0  # the group's largest (bounded) weight over ours: how much larger its average may be
         self.rejected: dict[str, str] = {}
+        self.left_out: set[str] = set()  # senders our reducer left out of the part it averaged (not just clamped)
         self.bad_results: list[str] = []  # reducers whose averages we refused
         # ... of which the averages were finite and well-formed, and under result_ban_excess times too large
         self.only_too_large: set[str] = set()
 
-    def reject(self, peer: str, reason: str) -> None:
+    def reject(self, peer: str, reason: str, left_out: bool = False) -> None:
+        if left_out:
+            self.left_out.add(peer)
         if peer not in self.rejected:
             logger.warning("rejected %s: %s", peer, reason)
             self.rejected[peer] = reason
@@ -160,7 +163,9 @@ class GuardedAverager(DilocoAverager):
         # it every round. So a reducer is banned at its second bad round (at once for a non-finite or misshapen
         # one, or one more than result_ban_excess times over the limit)
         self._strikes: dict[str, int] = {}
-        self._rejections = mp.SimpleQueue()  # child -> parent: one list of (peer, reason) per all-reduce
+        # child -> parent, one per all-reduce: its (peer, reason) list and the senders our reducer left out
+        self._rejections = mp.SimpleQueue()
+        self._left_out_here: frozenset[str] = frozenset()  # the parent's copy of the latest all-reduce's left-out
         self._bans = mp.SimpleQueue()  # child -> parent: each peer id as it is banned
         self._banned_here: set[str] = set()  # the parent's copy of ``_banned``
         self._demoted_before: set[str] = set()  # peers we saw demoted already (logged once)
@@ -178,11 +183,19 @@ class GuardedAverager(DilocoAverager):
         future.set_result(None)
 
     def take_rejections(self) -> list[tuple[str, str]]:
-        """Rejections of the all-reduces since the last call (oldest first), as (peer id, reason)."""
+        """Rejections of the all-reduces since the last call (oldest first), as (peer id, reason); the senders the
+        latest of them left out are then ``left_out_senders()``."""
         found: list[tuple[str, str]] = []
         while not self._rejections.empty():
-            found.extend(self._rejections.get())
+            rejected, left_out = self._rejections.get()
+            found.extend(rejected)
+            self._left_out_here = frozenset(left_out)
         return found
+
+    def left_out_senders(self) -> frozenset[str]:
+        """(Parent process) the senders whose parts our reducer left out of the latest all-reduce that
+        ``take_rejections`` collected (non-finite, misshapen, far too large, or an unusable weight)."""
+        return self._left_out_here
 
     def banned_peers(self) -> frozenset[str]:
         """(Parent process) the peers our averager banned so far, reducers that returned bad averages. The swarm
@@ -249,7 +262,7 @@ class GuardedAverager(DilocoAverager):
                 raise
             raise PartialRoundError(f"{e}; refused the averages of {', '.join(guard.bad_results)}") from None
         finally:
-            self._rejections.put(sorted(guard.rejected.items()))
+            self._rejections.put((sorted(guard.rejected.items()), sorted(guard.left_out)))
             for reducer in guard.bad_results:
                 self._strikes[reducer] = self._strikes.get(reducer, 0) + (1 if reducer in guard.only_too_large else 2)
                 if self._strikes[reducer] >= 2 and reducer not in self._banned:

@@ -102,9 +102,10 @@ def robust_average(
     allowed_weights: list[float | None],
     shape: torch.Size,
     policy: RobustPolicy,
-) -> tuple[torch.Tensor, dict[int, str]]:
-    """The weighted mean of the acceptable parts (float32, ``shape``) and, per sender index, why it was rejected
-    or its weight clamped. Deterministic: the same inputs in the same order give the same bytes."""
+) -> tuple[torch.Tensor, dict[int, str], frozenset[int]]:
+    """The weighted mean of the acceptable parts (float32, ``shape``); per sender index, why it was rejected or
+    its weight clamped; and the indices of the senders left out (a clamped sender still counts). Deterministic: the
+    same inputs in the same order give the same bytes."""
     weights, notes = clamp_weights(declared_weights, allowed_weights, policy)
     rejected: dict[int, str] = {i: note for i, note in notes.items() if math.isnan(weights[i])}
     candidates = []
@@ -133,9 +134,10 @@ def robust_average(
     for index in candidates:  # sender order: a fixed summation order, the same bytes every time
         share = weights[index] / total if total > 0 else 1.0 / len(candidates)
         result.add_(parts[index], alpha=share)
+    left_out = frozenset(rejected)
     for index, note in notes.items():
         rejected.setdefault(index, note)  # a clamped weight is reported too (the sender still counts)
-    return result, rejected
+    return result, rejected, left_out
 
 
 def demote_reducers(

@@ -217,6 +217,9 @@ class SwarmLink:
         self._error_feedback = [ErrorFeedback(self.codec) for _ in range(fragments)] if config.compression == "int4" else None
         self._averager: GuardedAverager | None = None
         self._banned: frozenset[str] = frozenset()  # peers our averager banned (bad averages): not live to us any more
+        # senders whose parts our reducer left out of our latest averaging: they add nothing to the outer step,
+        # so they don't count in our round's budget (see round_view)
+        self._left_out: frozenset[str] = frozenset()
         self._beacon: ProgressBeacon | None = None
         previous_sigint = signal.getsignal(signal.SIGINT)
         try:
@@ -379,6 +382,7 @@ class SwarmLink:
         )
         rejected = tuple(self._averager.take_rejections())
         self._banned = self._averager.banned_peers()
+        self._left_out = self._averager.left_out_senders()
         return dataclasses.replace(outcome, rejected=rejected) if rejected else outcome
 
     def _read_progress(self) -> dict[str, dict]:
@@ -411,8 +415,13 @@ class SwarmLink:
         return future
 
     def round_view(self, round_index: int) -> RoundView:
+        """The others' progress in ``round_index``, leaving out the peers whose parts our reducer refused in our
+        latest averaging: their tokens add nothing to the outer step, so they neither count towards the round's
+        budget nor end it (a peer whose parts are refused cannot shorten the rounds by training or reporting
+        many tokens, or by running ahead)."""
         assert self._beacon is not None
-        peers = list(self._beacon.peers.values())
+        left_out = self._left_out
+        peers = [record for peer, record in list(self._beacon.peers.items()) if peer not in left_out]
         now = get_dht_time()
         return RoundView(
             live_peers=len(peers),

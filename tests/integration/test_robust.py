@@ -101,12 +101,14 @@ def test_a_nan_sender_is_left_out_and_named_by_every_honest_reducer():
     try:
         outcomes = _average_concurrently(averagers, [*honest, nan], [1.0, 1.0, 1.0])
         rejections = [averager.take_rejections() for averager in averagers[:2]]
+        left_out = [averager.left_out_senders() for averager in averagers[:2]]
     finally:
         _close(dhts, averagers)
-    for outcome, rejected in zip(outcomes[:2], rejections):
+    for outcome, rejected, out in zip(outcomes[:2], rejections, left_out):
         assert outcome.status == "ok" and len(outcome.peers) == 3, (outcome.status, outcome.reason)
         assert all(torch.isfinite(t).all() for t in outcome.averaged)
         assert any(peer == nan_id and "non-finite" in why for peer, why in rejected), rejected
+        assert out == {nan_id}  # left out, so it does not count in the round budget (SwarmLink.round_view)
     for mine, theirs in zip(outcomes[0].averaged, outcomes[1].averaged):
         assert torch.equal(mine, theirs)  # invariant 1 among the honest peers
     expected = [(a + b) / 2 for a, b in zip(*honest)]  # the mean of the honest parts only (int8: ~3% error)

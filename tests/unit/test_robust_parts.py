@@ -51,11 +51,11 @@ def test_part_problem_names_the_defect(part, expected):
 
 def test_honest_parts_give_the_exact_weighted_mean_and_no_notes():
     parts, weights = _parts(3), [1000.0, 2000.0, 3000.0]
-    result, notes = robust_average(parts, weights, [None] * 3, SHAPE, POLICY)
+    result, notes, left_out = robust_average(parts, weights, [None] * 3, SHAPE, POLICY)
     expected = sum(w * p for w, p in zip(weights, parts)) / sum(weights)
     torch.testing.assert_close(result, expected)
-    assert notes == {}
-    again, _ = robust_average(parts, weights, [None] * 3, SHAPE, POLICY)
+    assert notes == {} and left_out == frozenset()
+    again, _, _ = robust_average(parts, weights, [None] * 3, SHAPE, POLICY)
     assert torch.equal(result, again)  # deterministic: same bytes every time
 
 
@@ -71,8 +71,8 @@ def test_honest_parts_give_the_exact_weighted_mean_and_no_notes():
 def test_a_bad_sender_is_left_out_of_the_average(bad, reason):
     parts = _parts(3)
     honest = robust_average(parts[:2], [1.0, 1.0], [None] * 2, SHAPE, POLICY)[0]
-    result, notes = robust_average([parts[0], bad(parts[2]), parts[1]], [1.0, 1.0, 1.0], [None] * 3, SHAPE, POLICY)
-    assert set(notes) == {1} and reason in notes[1]
+    result, notes, left_out = robust_average([parts[0], bad(parts[2]), parts[1]], [1.0, 1.0, 1.0], [None] * 3, SHAPE, POLICY)
+    assert set(notes) == {1} and reason in notes[1] and left_out == {1}
     torch.testing.assert_close(result, honest)
     assert torch.isfinite(result).all()
 
@@ -82,15 +82,15 @@ def test_honest_parts_of_unequal_progress_are_all_kept():
     # per token they are alike, and neither is rejected (raw norms would have rejected one of them)
     small, large = _parts(2)
     parts, weights = [small * 0.025, large], [100.0, 4000.0]
-    result, notes = robust_average(parts, weights, [None, None], SHAPE, POLICY)
-    assert notes == {}
+    result, notes, left_out = robust_average(parts, weights, [None, None], SHAPE, POLICY)
+    assert notes == {} and left_out == frozenset()
     torch.testing.assert_close(result, (100 * parts[0] + 4000 * parts[1]) / 4100)
 
 
 def test_a_part_large_for_its_weight_is_rejected_even_in_a_pair():
     honest, scaled = _parts(2)
-    result, notes = robust_average([honest, scaled * 1e4], [1000.0, 1000.0], [None, None], SHAPE, POLICY)
-    assert set(notes) == {1} and "per token" in notes[1]
+    result, notes, left_out = robust_average([honest, scaled * 1e4], [1000.0, 1000.0], [None, None], SHAPE, POLICY)
+    assert set(notes) == {1} and "per token" in notes[1] and left_out == {1}
     torch.testing.assert_close(result, honest)
 
 
@@ -107,16 +107,16 @@ def test_declared_weights_are_clamped_to_published_progress_and_to_the_median():
 
 def test_an_inflated_weight_cannot_take_over_the_average():
     parts = _parts(3)
-    result, notes = robust_average(parts, [1000.0, 1e9, 1000.0], [1000.0, 1000.0, 1000.0], SHAPE, POLICY)
+    result, notes, left_out = robust_average(parts, [1000.0, 1e9, 1000.0], [1000.0, 1000.0, 1000.0], SHAPE, POLICY)
     share = POLICY.weight_margin * 1000.0 / (2000.0 + POLICY.weight_margin * 1000.0)
     torch.testing.assert_close(result, (parts[0] + parts[2]) * (1 - share) / 2 + parts[1] * share)
-    assert "clamped" in notes[1]
+    assert "clamped" in notes[1] and left_out == frozenset()  # clamped, but it still counts
 
 
 def test_no_acceptable_sender_averages_to_zeros():
     nan = torch.full(SHAPE, math.nan)
-    result, notes = robust_average([nan, nan], [1.0, 1.0], [None, None], SHAPE, POLICY)
-    assert torch.equal(result, torch.zeros(SHAPE)) and set(notes) == {0, 1}
+    result, notes, left_out = robust_average([nan, nan], [1.0, 1.0], [None, None], SHAPE, POLICY)
+    assert torch.equal(result, torch.zeros(SHAPE)) and set(notes) == {0, 1} and left_out == {0, 1}
 
 
 def test_a_result_far_from_what_we_sent_is_refused():
@@ -147,10 +147,10 @@ def test_how_far_over_the_limit_an_average_is():
 
 def test_robust_reducer_keeps_hivemind_part_order_and_reports_rejections():
     parts = [_parts(3, seed=k) for k in range(2)]  # two parts, three senders
-    reports: list[tuple[int, str]] = []
+    reports: list[tuple[int, str, bool]] = []
 
     async def run() -> list[torch.Tensor]:
-        reducer = RobustPartReducer([SHAPE, SHAPE], 3, POLICY, [None, None, None], lambda s, r: reports.append((s, r)))
+        reducer = RobustPartReducer([SHAPE, SHAPE], 3, POLICY, [None, None, None], lambda s, r, out: reports.append((s, r, out)))
         sender_parts = [[parts[k][s] for k in range(2)] for s in range(3)]
         sender_parts[2][1] = sender_parts[2][1] * 1e4  # sender 2 misbehaves on part 1 only
 
@@ -164,7 +164,7 @@ def test_robust_reducer_keeps_hivemind_part_order_and_reports_rejections():
     averaged = asyncio.run(run())
     torch.testing.assert_close(averaged[0], sum(parts[0]) / 3)
     torch.testing.assert_close(averaged[1], (parts[1][0] + parts[1][1]) / 2)
-    assert [s for s, _ in reports] == [2] and "median" in reports[0][1]
+    assert [(s, out) for s, _, out in reports] == [(2, True)] and "median" in reports[0][1]
 
 
 def test_token_ledger_keeps_the_most_each_peer_published_per_round():

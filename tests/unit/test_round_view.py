@@ -1,0 +1,33 @@
+"""What a peer counts toward its round's budget (``SwarmLink.round_view``): the others' live records, less the
+senders whose parts its reducer left out of its latest averaging."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from p2p_diloco.config import SwarmConfig
+from p2p_diloco.link import RoundView
+from p2p_diloco.swarm import SwarmLink
+
+
+def _link(records: dict[str, dict], left_out: frozenset[str]) -> SwarmLink:
+    link = SwarmLink.__new__(SwarmLink)  # no DHT: round_view reads only the beacon's records and the left-out set
+    link.config = SwarmConfig()
+    link._beacon = SimpleNamespace(peers=records)
+    link._left_out = left_out
+    return link
+
+
+def test_a_sender_left_out_of_our_latest_averaging_does_not_count_in_the_round():
+    records = {
+        "honest": dict(round=4, round_tokens=1000, rate=0.0),
+        "poisoner": dict(round=4, round_tokens=5000, rate=0.0),  # trains and publishes, but its parts are refused
+        "ahead": dict(round=5, round_tokens=10, rate=0.0),
+    }
+    assert _link(records, frozenset()).round_view(4) == RoundView(live_peers=3, tokens_by_others=6000, peers_ahead=1)
+    assert _link(records, frozenset({"poisoner"})).round_view(4) == RoundView(
+        live_peers=2, tokens_by_others=1000, peers_ahead=1
+    )
+    # a left-out peer that is ahead does not end our round either
+    records["poisoner"]["round"] = 5
+    assert _link(records, frozenset({"poisoner"})).round_view(4).peers_ahead == 1
