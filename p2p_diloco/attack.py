@@ -10,11 +10,10 @@ and lists the members' keys too, so it accepts theirs: the strongest stranger).
 
 The calm run is repeated (``--calm-runs``): the spread between calm runs is the noise of the measure, and each
 attack is compared with their mean. A calm run also starts a *bystander*: an honest peer of another run, training
-alone on the adversary's shard until the scenario ends. Every peer here shares the same 2 cores, so an adversary
-that trains (all of them do) slows the honest peers down, and slower peers overshoot each round's token budget
-by fewer tokens: at equal outer steps, honest peers beside a NaN or x1e4 sender had trained 4-13% fewer tokens
-than in calm runs of three processes.
-That is this machine's doing, not the attack's; with the bystander every run has four training processes.
+alone on the adversary's shard until the scenario ends, so that every run has four training processes on the
+same cores: an adversary trains too (all of them do) and takes CPU time from the honest peers, which a calm run
+of three processes would not show (at equal outer steps, honest peers beside a NaN or x1e4 sender had trained
+4-13% fewer tokens than in calm runs of three processes).
 
 Per scenario, from the peers' own metrics, logs and final checkpoints:
 

@@ -9,7 +9,6 @@
       if the swarm's round is over (its tokens reached the round's budget, or a deadline passed):
           (wait for the previous averaging if it is still in flight: the only time compute waits)
           catch up if the swarm moved on or holds other bytes for our outer step
-          (having caught up, go on in the others' round if it is not over, instead of averaging alone)
           snapshot = local_params; outer_grad = global_params - snapshot; weight = tokens behind it
           start averaging outer_grad in the background, keep training
 
@@ -152,10 +151,6 @@ class Learner:
         # an averaging that failed here may still have been applied by the others (a partial all-reduce is
         # partial only for some of the group): it waits here until a downloaded round history says which
         self.unconfirmed: PendingAveraging | None = None
-        # an outer step we downloaded while the others were already averaging it: we leave it to them and count
-        # our tokens towards the round after it (see _join_the_swarms_round)
-        self.sitting_out: int | None = None
-        self._sat_out_checked = 0.0  # when we last asked the swarm whether it got past the step we sit out
         self.round_history: dict[int, tuple[str, ...]] = {}  # outer step r -> peers whose gradients made r -> r+1
         self.interval = Interval()
         self._state_lock = threading.Lock()  # guards global state against a concurrent state download
@@ -190,9 +185,8 @@ class Learner:
 
     @property
     def round_index(self) -> int:
-        """The round our current tokens count towards: the next outer step, plus one while averaging it (or
-        sitting it out)."""
-        return self.outer_step + (1 if self.pending is not None or self.sitting_out == self.outer_step else 0)
+        """The round our current tokens count towards: the next outer step, plus one while averaging."""
+        return self.outer_step + (1 if self.pending is not None else 0)
 
     # served to peers that download our state (called from a background thread)
     def state_for_peers(self) -> tuple[dict, list[torch.Tensor]]:
@@ -375,7 +369,6 @@ class Learner:
         return bool(deadline_s) and time.monotonic() - self.round_started >= deadline_s
 
     def _end_round(self, link: Link) -> None:
-        catch_ups_before = self.catch_ups
         if self.pending is not None:  # the previous averaging is still in flight: the only wait in the loop
             started = time.monotonic()
             while not self.pending.future.done() and not self.stop.is_set():
@@ -388,12 +381,7 @@ class Learner:
                 return
         # if the swarm moved on, or another group averaged our last outer step to other bytes (a fork),
         # take the swarm's state now; our progress is rebased onto it
-        if self._still_sitting_out(link):
-            return
         self._catch_up(link)
-        if self.catch_ups > catch_ups_before and self._join_the_swarms_round(link):
-            return
-        self.sitting_out = None
         fragment = self.outer_step % len(self.fragments)
         segments = self.fragments[fragment]
         local = self.island.local_params()
@@ -407,58 +395,10 @@ class Learner:
         self.pending = PendingAveraging(
             future, self.outer_step, weight, snapshot, fragment, segments, traffic_before=traffic_before
         )
-        self._start_round()
-        if future.done():  # a swarm of one answers at once
-            self._complete_averaging(link)
-
-    def _start_round(self) -> None:
         self.round_tokens, self.steps_into_round = 0, 0
         self.round_started = time.monotonic()
-
-    def _join_the_swarms_round(self, link: Link) -> bool:
-        """After a catch-up at a round's end: whether to go on training in the others' round instead of averaging
-        the downloaded step at once (True: a new round started, nothing averaged).
-
-        Averaging at once is right only when the others are about to average that step too (their round's tokens
-        reached its budget). If they are already averaging it (a round ahead), a group for it has formed without
-        us: averaging it would find none, and a late joiner would chase the swarm, one stale round after another.
-        So we sit that step out and count our tokens towards the next round, whose step we download when the
-        swarm publishes it. If they are still training its round, we join that round: averaging now would put
-        us a round ahead of them and end their round early. Either way our progress is kept, rebased, for the
-        next outer gradient.
-        """
-        if self.sitting_out == self.outer_step:
-            return False  # sat this step out already: the swarm did not get past it (its averaging failed)
-        view = link.round_view(self.outer_step)
-        if view.live_peers == 0:
-            return False
-        if view.peers_ahead:
-            self.sitting_out = self.outer_step
-            logger.info("outer step %d: the others are averaging it already; our tokens go into the next", self.outer_step)
-        elif view.tokens_by_others + self.round_tokens < self._round_budget_tokens(view.live_peers):
-            self.sitting_out = None
-            logger.info("outer step %d: joining the swarm's round in progress", self.outer_step)
-        else:
-            return False
-        self._start_round()
-        return True
-
-    def _still_sitting_out(self, link: Link) -> bool:
-        """Whether we sit out our outer step and the others are still averaging it: we then train on (asking the
-        swarm at most once a second) until they publish the next step, which we download, or until none of them
-        averages it any more (their averaging failed: we average it with them)."""
-        if self.sitting_out != self.outer_step or self.pending is not None:
-            return False
-        now = time.monotonic()
-        if now - self._sat_out_checked < 1.0:
-            return True
-        self._sat_out_checked = now
-        if link.swarm_outer_step() > self.outer_step:
-            return False
-        if link.round_view(self.outer_step).peers_ahead:
-            return True
-        self.sitting_out = None
-        return False
+        if future.done():  # a swarm of one answers at once
+            self._complete_averaging(link)
 
     def _complete_averaging(self, link: Link) -> None:
         """The one place where an averaging's outcome, good or bad, is turned into state."""

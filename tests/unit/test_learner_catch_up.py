@@ -9,7 +9,7 @@ import torch
 
 from p2p_diloco.config import InnerConfig
 from p2p_diloco.learner import Learner, PendingAveraging
-from p2p_diloco.link import AveragingOutcome, ImmediateAveraging, RoundView, SwarmState
+from p2p_diloco.link import AveragingOutcome, ImmediateAveraging, SwarmState
 from p2p_diloco.metrics import NullSink
 from p2p_diloco.outer import params_sha256
 
@@ -178,74 +178,6 @@ def test_round_end_catches_up_before_taking_the_outer_gradient(make_config):
     assert_all_close(call["tensors"], [g - lo for g, lo in zip(old_global, old_local, strict=True)])
     assert learner.outer_step == 5 and learner.pending is None  # the group of one answered at once
     assert learner.tokens_unsynced == 0 and learner.round_tokens == 0 and learner.steps_into_round == 0
-
-
-class BusySwarmLink(AheadLink):
-    """AheadLink with other live peers, whose round progress is ``view`` (``round_view``'s answer)."""
-
-    def __init__(self, swarm_step: int, state: SwarmState | None, view: RoundView):
-        super().__init__(swarm_step, state)
-        self.view = view
-
-    def round_view(self, round_index: int) -> RoundView:
-        return self.view
-
-
-def _budget(learner: Learner, live_peers: int) -> int:
-    return learner._round_budget_tokens(live_peers)
-
-
-def test_a_peer_that_catches_up_while_the_others_average_that_step_sits_it_out(make_config):
-    """A late joiner that downloads step 4 while the others already average it must not chase them (average 4
-    alone, go stale, download 5 while they average 5, ...): it trains on, towards the round after, then downloads
-    step 5 and averages it with them, with all its tokens."""
-    learner = _learner_with_local_progress(make_config)
-    unsynced = learner.tokens_unsynced
-    link = BusySwarmLink(4, _swarm_state(learner, outer_step=4, steps_into_round=0), RoundView(2, 0, peers_ahead=2))
-
-    learner._end_round(link)
-    assert link.downloads == 1 and not link.averaged  # caught up to 4, left 4 to the others
-    assert learner.outer_step == 4 and learner.sitting_out == 4 and learner.round_index == 5
-    assert learner.round_tokens == 0 and learner.tokens_unsynced == unsynced
-
-    for _ in range(LOCAL_STEPS):
-        learner._inner_step(link)
-    assert link.published[-1]["round"] == 5  # our tokens now count towards round 5, the others' round
-    learner._sat_out_checked = 0.0
-    learner._end_round(link)  # the round's budget is reached but the others still average step 4: train on
-    assert not link.averaged and learner.sitting_out == 4 and link.downloads == 1
-
-    link.swarm_step, link.state = 5, _swarm_state(learner, outer_step=5, steps_into_round=0)
-    link.view = RoundView(2, _budget(learner, 2), peers_ahead=0)  # step 5 published, its round over: average it
-    learner._sat_out_checked = 0.0
-    learner._end_round(link)
-    assert link.downloads == 2 and [call["outer_step"] for call in link.averaged] == [5]
-    assert link.averaged[0]["weight"] == float(unsynced + LOCAL_STEPS * BATCH * learner.config.model.seq_len)
-    assert learner.sitting_out is None and learner.outer_step == 6
-
-
-def test_sitting_out_ends_when_nobody_averages_that_step_any_more(make_config):
-    learner = _learner_with_local_progress(make_config)
-    link = BusySwarmLink(4, _swarm_state(learner, outer_step=4, steps_into_round=0), RoundView(2, 0, peers_ahead=2))
-    learner._end_round(link)
-    assert learner.sitting_out == 4
-    link.view = RoundView(2, _budget(learner, 2), peers_ahead=0)  # their averaging of 4 failed: they are back at 4
-    learner._sat_out_checked = 0.0
-    learner._end_round(link)
-    assert [call["outer_step"] for call in link.averaged] == [4] and learner.sitting_out is None
-
-
-def test_a_peer_that_catches_up_while_the_others_train_that_steps_round_joins_it(make_config):
-    learner = _learner_with_local_progress(make_config)
-    link = BusySwarmLink(4, _swarm_state(learner, outer_step=4, steps_into_round=0), RoundView(2, 0, peers_ahead=0))
-    learner._end_round(link)
-    # averaging now would make us a round ahead of the others and end their round early: join it instead
-    assert link.downloads == 1 and not link.averaged
-    assert learner.outer_step == 4 and learner.sitting_out is None and learner.round_index == 4
-    assert learner.round_tokens == 0
-    link.view = RoundView(2, _budget(learner, 2), peers_ahead=0)  # their round is over: we average with them
-    learner._end_round(link)
-    assert [call["outer_step"] for call in link.averaged] == [4]
 
 
 def _failed_on_our_side(learner: Learner) -> PendingAveraging:
