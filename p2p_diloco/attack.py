@@ -17,7 +17,10 @@ of three processes would not show (at equal outer steps, honest peers beside a N
 
 Per scenario, from the peers' own metrics, logs and final checkpoints:
 
-- final eval loss of the honest peers' global params, and its change vs the calm run;
+- final eval loss of the honest peers' global params, and its change vs the calm run; and the change at equal
+  honest tokens (the tokens the honest peers trained together, up to the shortest run's total): rounds end on
+  a token budget learned from progress records a period old, so how many tokens an outer step holds varies
+  from run to run;
 - whether any honest global parameter (final checkpoint) or eval loss is non-finite;
 - invariant 1 among the honest peers;
 - delay: how much later the honest peers finished than in the calm run, and their failed rounds;
@@ -43,7 +46,7 @@ import torch
 
 from p2p_diloco import checkpoint
 from p2p_diloco.launcher import LocalSwarm, wait_for_address
-from p2p_diloco.report import check_invariant_1
+from p2p_diloco.report import check_invariant_1, read_metrics
 
 SCENARIOS = ("calm", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor", "non_member", "non_member_allow_list")
 STRANGERS = ("non_member", "non_member_allow_list")
@@ -52,9 +55,13 @@ BYSTANDER_OUTER_STEPS = 1_000_000  # it trains until the scenario stops it with 
 LATE_START_S = 8.0  # honest2 begins this much after the others, when the swarm is a few outer steps ahead
 DEFAULT_FLAGS = [
     "--n-layers", "2", "--d-model", "64", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
-    "--inner-steps", "20", "--matchmaking-time-s", "3", "--averaging-timeout-s", "30", "--chunk-timeout-s", "4",
-    "--state-timeout-s", "30", "--compression", "int8", "--progress-period-s", "2", "--checkpoint-every", "100",
+    "--inner-steps", "80", "--matchmaking-time-s", "3", "--averaging-timeout-s", "30", "--chunk-timeout-s", "4",
+    "--state-timeout-s", "30", "--compression", "int8", "--progress-period-s", "1", "--checkpoint-every", "100",
 ]
+# Rounds of 80 inner steps last about 7 s here, several progress periods: with 20 inner steps and a 2 s period
+# (the flags before) a round was shorter than the averaging and than a period, its end was decided by stale
+# records, and the tokens behind one peer's outer step ranged 8k-31k within a run; the loss at a given outer
+# step then depended on those timings more than on the attack.
 
 
 def run_scenario(name: str, out_dir: Path, flags: list[str], outer_steps: int, timeout_s: float,
@@ -140,6 +147,8 @@ def analyse(name: str, folder: Path, records: dict[str, list[dict]], wall_s: flo
         # a round abandoned because the swarm moved past it (a peer that caught up chasing the others): its progress
         # flows into a later round, as a failed round's does
         honest_stale_rounds=sum(r["status"] == "stale" for recs in honest.values() for r in recs),
+        honest_tokens=sum(recs[-1].get("tokens", 0) for recs in honest.values() if recs),
+        eval_curve=eval_curve(honest),
         adversary_named_in_metrics_by=named_in,
         adversary_refused_in_logs_of=logged,
         adversary_in_honest_group=in_honest_group,
@@ -152,6 +161,31 @@ def _final_eval(honest: dict[str, list[dict]]) -> tuple[int | None, float | None
         return None, None
     last = max(evaluated, key=lambda r: (r["outer_step"], r["time_s"]))
     return last["outer_step"], last["eval_loss"]
+
+
+def eval_curve(honest: dict[str, list[dict]]) -> list[tuple[int, float, int]]:
+    """(outer step, held-out loss, honest tokens so far) for each outer step the honest peers evaluated, in
+    order; the tokens are the sum over honest peers of each one's count in its latest record at that moment."""
+    timeline = sorted((r["unix_time"], peer, r.get("tokens", 0)) for peer, recs in honest.items() for r in recs)
+    evaluations = sorted(
+        (r["unix_time"], r["outer_step"], r["eval_loss"]) for recs in honest.values() for r in recs
+        if r.get("eval_loss") is not None and r.get("status") == "ok"
+    )
+    curve, latest, position, seen = [], {}, 0, set()
+    for when, step, loss in evaluations:
+        while position < len(timeline) and timeline[position][0] <= when:
+            latest[timeline[position][1]] = timeline[position][2]
+            position += 1
+        if step not in seen:  # every honest peer holds the same params at a step (invariant 1): the first says it
+            seen.add(step)
+            curve.append((step, loss, sum(latest.values())))
+    return curve
+
+
+def loss_at_tokens(curve: list[tuple[int, float, int]], tokens: int) -> tuple[int, float] | None:
+    """The outer step and loss of the last evaluation made when the honest peers had trained at most ``tokens``."""
+    within = [(step, loss) for step, loss, seen in curve if seen <= tokens]
+    return max(within) if within else None
 
 
 def _non_finite(folder: Path, honest: dict[str, list[dict]]) -> bool:
@@ -183,6 +217,12 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     finishes = [r["honest_finish_s"] for r in calms if r["honest_finish_s"] is not None]
     base = sum(losses) / len(losses) if losses else None
     base_finish = sum(finishes) / len(finishes) if finishes else None
+    # equal honest tokens: every run at the shortest run's total, against the calm runs' mean there
+    totals = [r["honest_tokens"] for r in results if r.get("honest_tokens")]
+    equal = min(totals) if totals else 0
+    at_equal = {id(r): loss_at_tokens([tuple(point) for point in r.get("eval_curve", [])], equal) for r in results}
+    calm_at_equal = [at_equal[id(r)][1] for r in calms if at_equal[id(r)] is not None]
+    base_equal = sum(calm_at_equal) / len(calm_at_equal) if calm_at_equal else None
     rows = []
     for result in results:
         loss = result["final_eval_loss"]
@@ -190,12 +230,18 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         named = bool(result["adversary_named_in_metrics_by"]) or (
             result["scenario"] in STRANGERS and not result["adversary_in_honest_group"]
         )
+        point = at_equal[id(result)]
         rows.append(dict(
             scenario=result["scenario"],
             run=result.get("run", result["scenario"]),
             final_outer_step=result["final_outer_step"],
             eval_loss=loss,
             eval_loss_vs_calm=round(change, 4) if change is not None else None,
+            honest_tokens=result.get("honest_tokens"),
+            equal_tokens=equal,
+            outer_step_at_equal_tokens=point[0] if point else None,
+            eval_loss_at_equal_tokens=point[1] if point else None,
+            vs_calm_at_equal_tokens=round((point[1] - base_equal) / base_equal, 4) if point and base_equal else None,
             honest_non_finite=result["honest_non_finite"],
             invariant_1=result["invariant_1"]["held"],
             delay_s=round(result["honest_finish_s"] - base_finish, 1)
@@ -221,15 +267,18 @@ def _run_with_retries(name: str, run: str, out_dir: Path, flags: list[str], args
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| attack | outer steps | eval loss | vs calm | honest non-finite | invariant 1 | delay (s) | failed honest rounds "
-            "| stale honest rounds | adversary named |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| attack | outer steps | eval loss | vs calm | honest tokens | vs calm at equal honest tokens (step) "
+            "| honest non-finite | invariant 1 | delay (s) | failed honest rounds | stale honest rounds | adversary named |")
+    lines = [head, "|" + "---|" * 12]
     for row in rows:
         change = f"{100 * row['eval_loss_vs_calm']:+.2f}%" if row["eval_loss_vs_calm"] is not None else "-"
         loss = f"{row['eval_loss']:.4f}" if row["eval_loss"] is not None else "-"
         named = "-" if row["adversary_named"] is None else ("yes" if row["adversary_named"] else "NO")
+        tokens = f"{row['honest_tokens']:,}" if row.get("honest_tokens") else "-"
+        equal = row.get("vs_calm_at_equal_tokens")
+        equal = f"{100 * equal:+.2f}% ({row['outer_step_at_equal_tokens']})" if equal is not None else "-"
         lines.append(
-            f"| {row['run']} | {row['final_outer_step']} | {loss} | {change} | {row['honest_non_finite']} | "
+            f"| {row['run']} | {row['final_outer_step']} | {loss} | {change} | {tokens} | {equal} | {row['honest_non_finite']} | "
             f"{'held' if row['invariant_1'] else 'VIOLATED'} | {row['delay_s']} | {row['honest_failed_rounds']} | "
             f"{row.get('honest_stale_rounds', '-')} | {named} |"
         )
@@ -247,8 +296,12 @@ def main(argv: list[str] | None = None, prog: str = "attack.py") -> int:
     parser.add_argument("--timeout-s", type=float, default=240.0, help="bound on one scenario (default 240)")
     parser.add_argument("--retries", type=int, default=1, help="run a scenario again if a peer failed to start (default 1)")
     parser.add_argument("--calm-runs", type=int, default=2, help="calm runs, compared with each other for the noise (default 2)")
+    parser.add_argument("--reanalyse", action="store_true", help="run nothing: analyse again the runs OUT/attack.json "
+                        "lists, from the metrics and logs in their folders, and rewrite the table")
     args, peer_flags = parser.parse_known_args(argv)
     out_dir = Path(args.out)
+    if args.reanalyse:
+        return _reanalyse(out_dir, prog)
     out_dir.mkdir(parents=True, exist_ok=True)
     flags = [*DEFAULT_FLAGS, *peer_flags]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that every scenario's peers are stopped
@@ -265,3 +318,23 @@ def main(argv: list[str] | None = None, prog: str = "attack.py") -> int:
     (out_dir / "attack.md").write_text(table)
     print(table, flush=True)
     return 0 if len(complete) == len(results) else 1
+
+
+def _reanalyse(out_dir: Path, prog: str) -> int:
+    try:
+        saved = json.loads((out_dir / "attack.json").read_text())
+        runs = [(r["scenario"], r.get("run", r["scenario"]), r["wall_s"]) for r in saved["results"] if "error" not in r]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"{prog}: cannot read {out_dir / 'attack.json'}: {e}", file=sys.stderr)
+        return 2
+    results = []
+    for name, run, wall_s in runs:
+        folder = out_dir / run
+        records = {path.stem: read_metrics(path) for path in sorted(folder.glob("*.jsonl"))}
+        results.append({**analyse(name, folder, records, wall_s), "run": run})
+    rows = compare(results) if any(r["scenario"] == "calm" for r in results) else []
+    (out_dir / "attack.json").write_text(json.dumps({**saved, "rows": rows, "results": results}, indent=1))
+    table = markdown_table(rows)
+    (out_dir / "attack.md").write_text(table)
+    print(table, flush=True)
+    return 0
