@@ -400,8 +400,12 @@ def run_averaging(
     timeout_s: float,
     expected_group_size: int | None = None,
     should_abort: Callable[[], bool] | None = None,
+    base: str | None = None,
 ) -> AveragingOutcome:
     """Average ``tensors`` with the peers of ``outer_step``; never raises for network failures.
+
+    ``base``: the sha256 of the global params the outer gradient was measured from, declared in the group
+    request: a group whose members declare different bases (one of them on a fork) averages nothing here.
 
     ``expected_group_size``: the peers this one expects (itself included); the group starts averaging as soon
     as that many joined, and otherwise after the matchmaking time with whoever came. ``should_abort``, polled
@@ -421,7 +425,7 @@ def run_averaging(
     deadline = time.monotonic() + timeout_s
     while True:
         control = averager.step(
-            gather=dict(outer_step=outer_step, weight=weight),
+            gather=dict(outer_step=outer_step, weight=weight, **({"base": base} if base else {})),
             weight=weight,
             timeout=max(1.0, deadline - time.monotonic()),
             allow_retries=False,
@@ -446,6 +450,9 @@ def run_averaging(
     steps = {info.get("outer_step") for info in gathered.values() if isinstance(info, dict)}
     if steps != {outer_step}:
         return AveragingOutcome(None, (), 0.0, "error", f"group mixed outer steps {sorted(map(str, steps))}")
+    bases = {info.get("base") for info in gathered.values() if isinstance(info, dict)}
+    if base and bases != {base}:  # outer gradients measured from other params: their mean is no outer step of ours
+        return AveragingOutcome(None, (), 0.0, "error", f"group mixed global params ({len(bases)} bases)")
     with averager.get_tensors() as buffers:
         averaged = [buffer.clone() for buffer in buffers]
     weight_total = float(sum(info.get("weight", 0.0) for info in gathered.values()))

@@ -288,18 +288,23 @@ class GuardedAverager(DilocoAverager):
         matchmaking._request_join_group = unless_banned
         matchmaking._skips_banned = True
 
-    def _outer_step_of(self, data_for_gather: bytes | None) -> object:
+    def _step_and_base_of(self, data_for_gather: bytes | None) -> tuple[object, object]:
         try:
             user = self.serializer.loads(self.serializer.loads(data_for_gather)[2])
-            return user.get("outer_step") if isinstance(user, dict) else None
+            return (user.get("outer_step"), user.get("base")) if isinstance(user, dict) else (None, None)
         except Exception:
-            return None
+            return None, None
 
     def _same_outer_step(self, joiner_gather: bytes) -> bool:
-        """Whether a joiner declares the outer step we are averaging (True while we average none: hivemind decides)."""
+        """Whether a joiner declares the outer step we are averaging and, if we declared one, the same base (the
+        sha256 of the global params its outer gradient was measured from). True while we average none: hivemind
+        decides."""
         control = getattr(self._matchmaking, "step_control", None)
-        ours = self._outer_step_of(control.data_for_gather) if control is not None else None
-        return ours is None or self._outer_step_of(joiner_gather) == ours
+        step, base = self._step_and_base_of(control.data_for_gather) if control is not None else (None, None)
+        if step is None:
+            return True
+        joiner_step, joiner_base = self._step_and_base_of(joiner_gather)
+        return joiner_step == step and (base is None or joiner_base == base)
 
     async def _refused(self, peer: PeerID, what: str, banned_too: bool = True) -> bool:
         if banned_too and peer.to_base58() in self._banned:
@@ -318,7 +323,9 @@ class GuardedAverager(DilocoAverager):
             return
         if not self._same_outer_step(request.gather):
             # the group key says which outer step a group averages, but a search cancelled late, or a hostile
-            # peer, can come in under our key with another step: the whole group would then fail the round
+            # peer, can come in under our key with another step: the whole group would then fail the round. A
+            # peer at our step on other global params (a fork: one that trained alone, say, banned by others)
+            # would mix an outer gradient measured from other params into ours
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
             return
         async for response in super().rpc_join_group(request, context):

@@ -376,9 +376,11 @@ class SwarmLink:
             self._averager.set_allowed_weights(self._ledger.allowed(outer_step, rounds=2 * self._fragments))
         except Exception as e:  # the averager process is gone or stuck: run_averaging reports it
             logger.debug("could not pass the weight limits to the averager: %r", e)
+        beacon = self._beacon
+        base = beacon.own_record().get("global_sha256") if beacon is not None else None
         outcome = run_averaging(
             self._averager, tensors, weight, outer_step, self.config.averaging_timeout_s, 1 + len(live),
-            lambda: self._moved_past(outer_step),
+            lambda: self._moved_past(outer_step), base=str(base) if base else None,
         )
         rejected = tuple(self._averager.take_rejections())
         self._banned = self._averager.banned_peers()

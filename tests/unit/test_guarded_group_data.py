@@ -1,5 +1,5 @@
 """What GuardedAverager reads from a group's gathered data (guarded.py), driven without a DHT or averager process:
-the outer step a joiner declares (a leader refuses another step), the weight ratio the result check allows for,
+the outer step and base a joiner declares (a leader refuses another step or other global params), the weight ratio the result check allows for,
 and the reducer shares once banned peers are demoted."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _averager(own: PeerID = PEERS[0], averaging: object = None) -> SimpleNamespa
         serializer=MSGPackSerializer, peer_id=own, _matchmaking=SimpleNamespace(step_control=control),
         _demoted_before=set(),
     )
-    for name in ("_outer_step_of", "_same_outer_step", "_gathered", "_weight_ratio", "_demote_banned"):
+    for name in ("_step_and_base_of", "_same_outer_step", "_gathered", "_weight_ratio", "_demote_banned"):
         setattr(fake, name, getattr(GuardedAverager, name).__get__(fake))
     return fake
 
@@ -41,6 +41,17 @@ def test_a_leader_refuses_a_joiner_that_declares_another_outer_step():
     assert not leader._same_outer_step(b"\xff not msgpack")
     # while the leader averages nothing it has no step to compare: hivemind's own checks decide
     assert _averager(averaging=None)._same_outer_step(_request_data({"outer_step": 23}))
+
+
+def test_a_leader_refuses_a_joiner_at_its_step_on_other_global_params():
+    """A peer on a fork (another sha256 for the same outer step: one that trained alone, banned by others) would
+    mix an outer gradient measured from other params into the group's."""
+    leader = _averager(averaging={"outer_step": 24, "weight": 512, "base": "aa"})
+    assert leader._same_outer_step(_request_data({"outer_step": 24, "weight": 9.0, "base": "aa"}))
+    assert not leader._same_outer_step(_request_data({"outer_step": 24, "weight": 9.0, "base": "bb"}))
+    assert not leader._same_outer_step(_request_data({"outer_step": 24, "weight": 9.0}))  # declares none
+    # a leader that declares no base (a bare averager, as in a test) compares the step only
+    assert _averager(averaging={"outer_step": 24})._same_outer_step(_request_data({"outer_step": 24, "base": "bb"}))
 
 
 def test_the_group_data_gives_the_weight_ratio_bounded_by_published_progress():
