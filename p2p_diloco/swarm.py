@@ -302,15 +302,22 @@ class SwarmLink:
     def live_peers(self) -> dict[str, dict]:
         """Progress records of the other peers whose record has not expired, who have not said they left and whom
         our averager has not banned."""
+        return self._unbanned(self._all_progress())
+
+    def _all_progress(self) -> dict[str, dict]:
+        """The other peers' unexpired progress records, banned peers' included; the beacon's last read if the DHT
+        does not answer."""
         try:  # bounded: a DHT process that died (or a p2pd that did) must not hang the training loop
             peers = read_progress(self.dht, self._progress_key)
         except Exception as e:
             logger.debug("reading progress records failed: %r", e)
             return dict(self._beacon.peers) if self._beacon is not None else {}
         peers.pop(self.peer_id, None)
-        for peer in self._banned:  # they can't join our groups: waiting for them would stall every round
-            peers.pop(peer, None)
         return peers
+
+    def _unbanned(self, peers: dict[str, dict]) -> dict[str, dict]:
+        # banned peers can't join our groups: waiting for them would stall every round
+        return {peer: record for peer, record in peers.items() if peer not in self._banned}
 
     def progress_records(self) -> dict[str, dict]:
         """This peer's progress record and the others' as of the beacon's last read (no DHT access: for watchers)."""
@@ -388,11 +395,16 @@ class SwarmLink:
         return dataclasses.replace(outcome, rejected=rejected) if rejected else outcome
 
     def _read_progress(self) -> dict[str, dict]:
-        """The live peers' progress records, noting the tokens each published per round (weight limits)."""
-        peers, now = self.live_peers(), get_dht_time()
+        """The live peers' progress records, noting the tokens each peer published per round (weight limits).
+
+        Banned peers' tokens are noted too: a groupmate that has not banned one can still let it into a group
+        with us, and its declared weight must then be bounded by its progress like anyone's (a banned garbage
+        reducer that had chased the swarm for 15 rounds declared 663k tokens against the others' ~45k, and with
+        no record of its progress only the cap of 10x the group's median, 430k, applied)."""
+        peers, now = self._all_progress(), get_dht_time()
         for peer, record in peers.items():
             self._ledger.observe(peer, record.get("round"), _tokens_now(record, now, 2 * self.config.progress_period_s))
-        return peers
+        return self._unbanned(peers)
 
     def _moved_past(self, outer_step: int) -> bool:
         """Some live peer already reports a later outer step: a group for ``outer_step`` will not form any more."""

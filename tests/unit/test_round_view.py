@@ -1,5 +1,5 @@
-"""What a peer counts toward its round's budget (``SwarmLink.round_view``): the others' live records, less the
-senders whose parts its reducer left out of its latest averaging."""
+"""What a peer reads from the others' progress records (swarm.py): what counts toward its round's budget (the
+others' live records, less the senders its reducer left out of its latest averaging), and the weight limits."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.link import RoundView
+from p2p_diloco.robust import TokenLedger
 from p2p_diloco.swarm import SwarmLink
 
 
@@ -31,3 +32,17 @@ def test_a_sender_left_out_of_our_latest_averaging_does_not_count_in_the_round()
     # a left-out peer that is ahead does not end our round either
     records["poisoner"]["round"] = 5
     assert _link(records, frozenset({"poisoner"})).round_view(4).peers_ahead == 1
+
+
+def test_a_banned_peers_progress_bounds_its_weight_though_it_is_not_live(monkeypatch):
+    records = {
+        "me": dict(round=7, round_tokens=900, rate=0.0),
+        "honest": dict(round=7, round_tokens=1000, rate=0.0),
+        "banned": dict(round=7, round_tokens=1200, rate=0.0),  # a groupmate that has not banned it may let it in
+    }
+    monkeypatch.setattr("p2p_diloco.swarm.read_progress", lambda dht, key: {k: dict(v) for k, v in records.items()})
+    link = _link({}, frozenset())
+    link.dht, link._progress_key, link.peer_id = None, "run.progress", "me"
+    link._banned, link._ledger = frozenset({"banned"}), TokenLedger()
+    assert set(link._read_progress()) == {"honest"} and set(link.live_peers()) == {"honest"}
+    assert link._ledger.allowed(7) == {"honest": 1000.0, "banned": 1200.0}
