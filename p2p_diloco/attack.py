@@ -12,8 +12,9 @@ The calm run is repeated (``--calm-runs``): the spread between calm runs is the 
 attack is compared with their mean. A calm run also starts a *bystander*: an honest peer of another run, training
 alone on the adversary's shard until the scenario ends, so that every run has four training processes on the
 same cores: an adversary trains too (all of them do) and takes CPU time from the honest peers, which a calm run
-of three processes would not show (at equal outer steps, honest peers beside a NaN or x1e4 sender had trained
-4-13% fewer tokens than in calm runs of three processes).
+of three processes would not share. (It did not close the gap in honest tokens per outer step seen with the
+earlier rounds of 20 inner steps, 4-13% fewer beside a NaN or x1e4 sender; with the rounds of DEFAULT_FLAGS
+the NaN and x1e4 runs trained +3% and -3% against the calm runs' mean.)
 
 Per scenario, from the peers' own metrics, logs and final checkpoints:
 

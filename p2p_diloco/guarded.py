@@ -324,7 +324,7 @@ class GuardedAverager(DilocoAverager):
         if not self._same_outer_step(request.gather):
             # the group key says which outer step a group averages, but a search cancelled late, or a hostile
             # peer, can come in under our key with another step: the whole group would then fail the round. A
-            # peer at our step on other global params (a fork: one that trained alone, say, banned by others)
+            # peer at our step on other global params (a fork: another group averaged that step to other bytes)
             # would mix an outer gradient measured from other params into ours
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
             return

@@ -1,0 +1,48 @@
+"""run_averaging's reading of the group it got (averaging.py): a group whose members declared other global params
+(bases) than ours is averaged here, by hivemind, but its result is not applied; the declared base goes out."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import torch
+
+from p2p_diloco.averaging import run_averaging
+
+
+class FakeAverager:
+    """Answers ``step`` at once with the group data ``gathered`` (peer -> what it declared)."""
+
+    def __init__(self, gathered: dict[str, dict]):
+        self.gathered, self.buffers, self.requests = gathered, [torch.zeros(3)], []
+
+    @contextmanager
+    def get_tensors(self):
+        yield self.buffers
+
+    def set_round(self, outer_step: int, expected_group_size: int | None) -> None:
+        pass
+
+    def step(self, gather: dict, **kwargs: object) -> SimpleNamespace:
+        self.requests.append(gather)
+        future: Future = Future()
+        future.set_result(self.gathered)
+        return SimpleNamespace(result=future.result, stage=None)
+
+
+def test_a_group_of_one_base_is_applied_and_a_mixed_one_is_not():
+    tensors = [torch.ones(3)]
+    same = FakeAverager({"a": dict(outer_step=4, weight=1.0, base="aa"), "b": dict(outer_step=4, weight=2.0, base="aa")})
+    outcome = run_averaging(same, tensors, 1.0, 4, timeout_s=5, base="aa")
+    assert outcome.status == "ok" and outcome.weight_total == 3.0
+    assert same.requests == [dict(outer_step=4, weight=1.0, base="aa")]
+
+    mixed = FakeAverager({"a": dict(outer_step=4, weight=1.0, base="aa"), "b": dict(outer_step=4, weight=2.0, base="bb")})
+    outcome = run_averaging(mixed, tensors, 1.0, 4, timeout_s=5, base="aa")
+    assert outcome.averaged is None and "mixed global params" in outcome.reason
+
+    # without a base of our own (a bare averager), bases are not compared and none is declared
+    outcome = run_averaging(mixed, tensors, 1.0, 4, timeout_s=5)
+    assert outcome.status == "ok" and mixed.requests[-1] == dict(outer_step=4, weight=1.0)
