@@ -80,13 +80,18 @@ class PendingAveraging:
 
     future: Future
     outer_step: int
-    weight: float
+    weight: float  # the weight declared with the outer gradient
     snapshot: list[torch.Tensor]  # local params of the fragment being averaged, as they were sent (1-D per segment)
     fragment: int = 0
     segments: list[Segment] = field(default_factory=list)  # where the fragment's values lie in model.parameters()
     started: float = field(default_factory=time.monotonic)
     traffic_before: tuple[int, int] = (0, 0)
     steps_during: int = 0  # inner steps this peer ran while the averaging was in flight
+    tokens: int | None = None  # tokens of local progress behind the snapshot, which a success syncs (None: the weight)
+
+    @property
+    def tokens_behind(self) -> int:
+        return int(self.weight) if self.tokens is None else self.tokens
 
 
 @dataclass
@@ -140,6 +145,9 @@ class Learner:
         self.peak_send_rate = 0.0  # bytes/s: the largest ~1 s burst of averaging traffic since the last record
         self._traffic_samples: deque[tuple[float, int]] = deque()  # (time, bytes sent), one per inner step
         self.round_tokens = 0  # tokens this peer processed in the swarm's current round
+        # tokens of this peer's last rounds, as many as there are fragments: a fragment's outer gradient stands for
+        # that many rounds, and its weight is their tokens (see _end_round)
+        self.recent_round_tokens: deque[int] = deque(maxlen=len(self.fragments))
         self.round_started = time.monotonic()
         self.steps_into_round = 0
         self.compute_s = self.blocked_s = 0.0
@@ -387,13 +395,22 @@ class Learner:
         local = self.island.local_params()
         snapshot = [s.of(local).detach().clone() for s in segments]
         outer_grads = [s.of(self.global_params) - local.cpu() for s, local in zip(segments, snapshot)]
-        weight = float(self.tokens_unsynced)
+        # The weight is the tokens of the rounds this outer gradient stands for (DESIGN.md §2: w_i = tokens this
+        # round), not all the progress it carries. After failed rounds the carried progress is k rounds' worth;
+        # weighted by all of it, a mean of deltas counts it k times over: a peer that had chased the swarm for 6
+        # rounds declared 296k tokens against the others' 36k and 45k, took 78% of an outer step of ~5 rounds
+        # of its own shard, and the held-out loss rose 2.219 -> 2.283. Weighted by its round, its carried
+        # progress adds what it would have added in each of those rounds.
+        self.recent_round_tokens.append(self.round_tokens)
+        tokens = self.tokens_unsynced
+        weight = float(min(tokens, sum(self.recent_round_tokens)))
         what = f"fragment {fragment + 1}/{len(self.fragments)}" if len(self.fragments) > 1 else "outer gradient"
-        logger.info("outer step %d: averaging started (%s, weight %d tokens)", self.outer_step, what, weight)
+        carried = f", {tokens - int(weight)} more carried" if tokens > weight else ""
+        logger.info("outer step %d: averaging started (%s, weight %d tokens%s)", self.outer_step, what, weight, carried)
         traffic_before = link.traffic()
         future = link.average_async(self._pack(outer_grads), weight=weight, outer_step=self.outer_step)
         self.pending = PendingAveraging(
-            future, self.outer_step, weight, snapshot, fragment, segments, traffic_before=traffic_before
+            future, self.outer_step, weight, snapshot, fragment, segments, traffic_before=traffic_before, tokens=tokens
         )
         self.round_tokens, self.steps_into_round = 0, 0
         self.round_started = time.monotonic()
@@ -421,7 +438,7 @@ class Learner:
                 for segment, snapshot in zip(segments, pending.snapshot):
                     param = segment.of(local)
                     param.copy_(segment.of(self.global_params).to(param.device) + (param - snapshot))  # new_global if idle
-            self.unsynced_by_fragment[pending.fragment] -= int(pending.weight)
+            self.unsynced_by_fragment[pending.fragment] -= pending.tokens_behind
             self._remember_round(pending.outer_step, outcome.peers)
             self.unconfirmed = None
             self._publish_step(link)
@@ -465,7 +482,7 @@ class Learner:
                 for segment, snapshot in zip(applied.segments, applied.snapshot):
                     piece = segment.of(local)
                     piece.add_((segment.of(self.global_params) - snapshot.cpu()).to(piece.device))
-                self.unsynced_by_fragment[applied.fragment] -= int(applied.weight)
+                self.unsynced_by_fragment[applied.fragment] -= applied.tokens_behind
             for param, old, new in zip(local, self.global_params, state.global_params):
                 param.add_((new - old).to(param.device))  # local_params <- new_global + (local_params - old_global)
                 old.copy_(new)
@@ -566,7 +583,8 @@ class Learner:
             eval_loss=eval_loss,
             group_size=len(outcome.peers),
             peers=list(outcome.peers),
-            weight=weight,  # tokens behind the outer gradient this peer sent
+            weight=weight,  # the weight this peer declared: the tokens of the rounds its outer gradient stands for
+            progress_tokens=pending.tokens_behind if pending else 0,  # the tokens of progress it holds (more after failed rounds)
             weight_total=outcome.weight_total,
             weight_share=round(weight / outcome.weight_total, 4) if outcome.weight_total else None,
             bytes_sent=int(traffic[0]) if traffic else 0,

@@ -199,8 +199,9 @@ def test_failed_averaging_in_flight_keeps_everything_for_the_next_round(make_con
     assert_all_close(learner.params, local_before, rtol=0, atol=0)
     assert learner.tokens_unsynced == 2 * H * BATCH_TOKENS
 
-    learner._end_round(link)  # the next outer gradient carries both rounds' progress and tokens
-    assert link.calls[1]["outer_step"] == 0 and link.calls[1]["weight"] == float(2 * H * BATCH_TOKENS)
+    learner._end_round(link)  # the next outer gradient carries both rounds' progress, weighted by its round's tokens
+    assert link.calls[1]["outer_step"] == 0 and link.calls[1]["weight"] == float(H * BATCH_TOKENS)
+    assert learner.pending is not None and learner.pending.tokens_behind == 2 * H * BATCH_TOKENS
     assert_all_close(link.calls[1]["tensors"], [g - lo for g, lo in zip(global_before, local_before, strict=True)])
 
 
