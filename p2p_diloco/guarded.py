@@ -158,6 +158,7 @@ class GuardedAverager(DilocoAverager):
         self.membership, self.policy = membership, policy or RobustPolicy()
         self._allowed: dict[str, float] = {}
         self._banned: set[str] = set()  # reducers that returned a bad average: never grouped with again (this process)
+        self._shunned: frozenset[str] = frozenset()  # peers most of the swarm banned: treated like ours (not named)
         # rounds in which each reducer returned a bad average: a peer that caught up a moment ago sends a tiny
         # outer gradient, and an honest average can then look 100x too large to it once; a garbage reducer does
         # it every round. So a reducer is banned at its second bad round (at once for a non-finite or misshapen
@@ -172,14 +173,16 @@ class GuardedAverager(DilocoAverager):
         kwargs.setdefault("runner_class", GuardedAllReduceRunner)
         super().__init__(*args, **kwargs)
 
-    def set_allowed_weights(self, allowed: dict[str, float]) -> None:
-        """Weight limits (peer id -> tokens its progress supports) for the next all-reduce."""
+    def set_allowed_weights(self, allowed: dict[str, float], shunned: frozenset[str] = frozenset()) -> None:
+        """Weight limits (peer id -> tokens its progress supports) for the next all-reduce, and the peers that most
+        of the swarm banned: refused as leaders and joiners like our own banned peers, but not named in our group
+        requests (a groupmate demotes only on its own evidence or that of someone in the group)."""
         future = MPFuture()
-        self._outer_pipe.send(("_set_allowed_weights", [], dict(allowed=dict(allowed), future=future)))
+        self._outer_pipe.send(("_set_allowed_weights", [], dict(allowed=dict(allowed), shunned=frozenset(shunned), future=future)))
         future.result(timeout=30)
 
-    async def _set_allowed_weights(self, allowed: dict[str, float], future: MPFuture) -> None:
-        self._allowed = allowed
+    async def _set_allowed_weights(self, allowed: dict[str, float], future: MPFuture, shunned: frozenset[str] = frozenset()) -> None:
+        self._allowed, self._shunned = allowed, shunned
         future.set_result(None)
 
     def take_rejections(self) -> list[tuple[str, str]]:
@@ -283,7 +286,8 @@ class GuardedAverager(DilocoAverager):
         request_join_group = matchmaking._request_join_group
 
         async def unless_banned(leader: PeerID) -> Any:
-            return None if leader.to_base58() in self._banned else await request_join_group(leader)
+            excluded = leader.to_base58() in self._banned or leader.to_base58() in self._shunned
+            return None if excluded else await request_join_group(leader)
 
         matchmaking._request_join_group = unless_banned
         matchmaking._skips_banned = True
@@ -307,7 +311,7 @@ class GuardedAverager(DilocoAverager):
         return joiner_step == step and (base is None or joiner_base == base)
 
     async def _refused(self, peer: PeerID, what: str, banned_too: bool = True) -> bool:
-        if banned_too and peer.to_base58() in self._banned:
+        if banned_too and (peer.to_base58() in self._banned or peer.to_base58() in self._shunned):
             return True
         if self.membership is None:
             return False

@@ -169,6 +169,28 @@ def demote_reducers(
     return tuple(fraction / total for fraction in kept), demoted
 
 
+def banned_by_majority(records: dict[str, dict], own_id: str, own_bans: frozenset[str] | set[str]) -> frozenset[str]:
+    """The peers that more than half of the swarm's voters banned, per their progress records (``banned``).
+
+    The voters are this peer and every other peer in ``records`` that this peer has not banned itself (a banned
+    garbage reducer gets no say); an accused peer is not a voter about itself, nor is its own record counted.
+    A peer that joins late has never seen a bad reducer misbehave, and follows it as a leader into a failed
+    round (or several: its first bad result may be a timed-out all-reduce, not a bad average) unless it takes
+    the others' word for it. A strict majority is needed, so one hostile peer's accusations ban nobody.
+    """
+    voters = {peer: record for peer, record in records.items() if peer != own_id and peer not in own_bans}
+    accused: dict[str, int] = {}
+    for voter, record in voters.items():
+        banned = record.get("banned") if isinstance(record, dict) else None
+        if isinstance(banned, (list, tuple)):
+            for peer in {p for p in banned if isinstance(p, str) and p not in (voter, own_id)}:
+                accused[peer] = accused.get(peer, 0) + 1
+    return frozenset(
+        peer for peer, votes in accused.items()
+        if peer not in own_bans and 2 * votes > 1 + sum(voter != peer for voter in voters)  # +1: this peer
+    )
+
+
 def result_problem(result: torch.Tensor, sent: torch.Tensor, policy: RobustPolicy, weight_ratio: float = 1.0) -> str | None:
     """Why an averaged part returned by a reducer must not be applied, or None if it may.
 

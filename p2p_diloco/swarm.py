@@ -37,7 +37,7 @@ from p2p_diloco.joining import SwarmStartError, first_line, join_swarm, start_dh
 from p2p_diloco.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
 from p2p_diloco.membership import RunMembership
 from p2p_diloco.outer import params_sha256
-from p2p_diloco.robust import TokenLedger
+from p2p_diloco.robust import TokenLedger, banned_by_majority
 
 logger = logging.getLogger(__name__)
 _DHT_TIMEOUT_S = 10.0
@@ -217,6 +217,9 @@ class SwarmLink:
         self._error_feedback = [ErrorFeedback(self.codec) for _ in range(fragments)] if config.compression == "int4" else None
         self._averager: GuardedAverager | None = None
         self._banned: frozenset[str] = frozenset()  # peers our averager banned (bad averages): not live to us any more
+        # peers that most of the others banned (their progress records say so): not live to us either, never our
+        # leader nor let into our groups, though we never saw them misbehave (robust.banned_by_majority)
+        self._shunned: frozenset[str] = frozenset()
         # senders whose parts our reducer left out of our latest averaging: they add nothing to the outer step,
         # so they don't count in our round's budget (see round_view)
         self._left_out: frozenset[str] = frozenset()
@@ -317,7 +320,8 @@ class SwarmLink:
 
     def _unbanned(self, peers: dict[str, dict]) -> dict[str, dict]:
         # banned peers can't join our groups: waiting for them would stall every round
-        return {peer: record for peer, record in peers.items() if peer not in self._banned}
+        excluded = self._banned | self._shunned
+        return {peer: record for peer, record in peers.items() if peer not in excluded}
 
     def progress_records(self) -> dict[str, dict]:
         """This peer's progress record and the others' as of the beacon's last read (no DHT access: for watchers)."""
@@ -380,7 +384,7 @@ class SwarmLink:
         assert self._averager is not None
         try:
             self._averager.take_rejections()  # left over from an abandoned attempt
-            self._averager.set_allowed_weights(self._ledger.allowed(outer_step, rounds=2 * self._fragments))
+            self._averager.set_allowed_weights(self._ledger.allowed(outer_step, rounds=2 * self._fragments), self._shunned)
         except Exception as e:  # the averager process is gone or stuck: run_averaging reports it
             logger.debug("could not pass the weight limits to the averager: %r", e)
         beacon = self._beacon
@@ -390,7 +394,10 @@ class SwarmLink:
             lambda: self._moved_past(outer_step), base=str(base) if base else None,
         )
         rejected = tuple(self._averager.take_rejections())
-        self._banned = self._averager.banned_peers()
+        banned = self._averager.banned_peers()
+        if banned != self._banned and beacon is not None:
+            beacon.update(banned=sorted(banned))  # the others take our word for it once most of them agree
+        self._banned = banned
         self._left_out = self._averager.left_out_senders()
         return dataclasses.replace(outcome, rejected=rejected) if rejected else outcome
 
@@ -404,6 +411,10 @@ class SwarmLink:
         peers, now = self._all_progress(), get_dht_time()
         for peer, record in peers.items():
             self._ledger.observe(peer, record.get("round"), _tokens_now(record, now, 2 * self.config.progress_period_s))
+        shunned = banned_by_majority(peers, self.peer_id, self._banned)
+        for peer in sorted(shunned - self._shunned):
+            logger.warning("%s was banned by most peers of the swarm: not grouping with it either", peer)
+        self._shunned = shunned
         return self._unbanned(peers)
 
     def _moved_past(self, outer_step: int) -> bool:

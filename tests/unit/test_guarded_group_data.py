@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import asyncio
+
 import pytest
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
@@ -44,8 +46,8 @@ def test_a_leader_refuses_a_joiner_that_declares_another_outer_step():
 
 
 def test_a_leader_refuses_a_joiner_at_its_step_on_other_global_params():
-    """A peer on a fork (another sha256 for the same outer step: one that trained alone, banned by others) would
-    mix an outer gradient measured from other params into the group's."""
+    """A peer on a fork (another sha256 for the same outer step: another group averaged that step to other bytes)
+    would mix an outer gradient measured from other params into the group's."""
     leader = _averager(averaging={"outer_step": 24, "weight": 512, "base": "aa"})
     assert leader._same_outer_step(_request_data({"outer_step": 24, "weight": 9.0, "base": "aa"}))
     assert not leader._same_outer_step(_request_data({"outer_step": 24, "weight": 9.0, "base": "bb"}))
@@ -80,3 +82,26 @@ def test_a_peer_banned_in_one_request_reduces_nothing_whoever_reads_the_group():
         averager = _averager(own=own)
         assert averager._demote_banned(group, averager._gathered(group), (0.25, 0.25, 0.5)) == (0.5, 0.5, 0.0)
         assert averager._demoted_before == {g}
+
+
+def test_our_banned_peers_and_those_most_of_the_swarm_banned_are_neither_followed_nor_let_in():
+    asked: list[PeerID] = []
+
+    async def request_join_group(leader: PeerID) -> str:
+        asked.append(leader)
+        return "group"
+
+    ours, theirs, honest = PEERS
+    fake = SimpleNamespace(
+        _banned={ours.to_base58()}, _shunned=frozenset({theirs.to_base58()}), membership=None,
+        _matchmaking=SimpleNamespace(_request_join_group=request_join_group),
+    )
+    for name in ("_refused", "_skip_banned_leaders"):
+        setattr(fake, name, getattr(GuardedAverager, name).__get__(fake))
+    fake._skip_banned_leaders()
+    results = [asyncio.run(fake._matchmaking._request_join_group(leader)) for leader in PEERS]
+    assert results == [None, None, "group"] and asked == [honest]
+    refused = [asyncio.run(fake._refused(peer, "join an averaging group")) for peer in PEERS]
+    assert refused == [True, True, False]
+    # their parts are still taken when a groupmate let them in (checked like anyone's)
+    assert not asyncio.run(fake._refused(theirs, "send parts", banned_too=False))

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.link import RoundView
-from p2p_diloco.robust import TokenLedger
+from p2p_diloco.robust import TokenLedger, banned_by_majority
 from p2p_diloco.swarm import SwarmLink
 
 
@@ -16,6 +16,7 @@ def _link(records: dict[str, dict], left_out: frozenset[str]) -> SwarmLink:
     link.config = SwarmConfig()
     link._beacon = SimpleNamespace(peers=records)
     link._left_out = left_out
+    link._shunned = frozenset()
     return link
 
 
@@ -46,3 +47,37 @@ def test_a_banned_peers_progress_bounds_its_weight_though_it_is_not_live(monkeyp
     link._banned, link._ledger = frozenset({"banned"}), TokenLedger()
     assert set(link._read_progress()) == {"honest"} and set(link.live_peers()) == {"honest"}
     assert link._ledger.allowed(7) == {"honest": 1000.0, "banned": 1200.0}
+
+
+def test_a_peer_most_of_the_swarm_banned_is_shunned_by_a_peer_that_never_met_it():
+    records = {
+        "honest0": dict(banned=["garbage"]),
+        "honest1": dict(banned=["garbage"]),
+        "garbage": dict(banned=["honest0", "honest1", "late"]),  # accusing back
+    }
+    # voters: late (us), honest0, honest1; 2 of 3 banned it. The garbage reducer's accusations: 1 vote each
+    assert banned_by_majority(records, "late", frozenset()) == {"garbage"}
+    # one peer's word is not enough: 1 of 3 voters
+    assert banned_by_majority({**records, "honest1": {}}, "late", frozenset()) == frozenset()
+    # a peer we banned ourselves gets no vote, and is not reported again
+    assert banned_by_majority(records, "late", frozenset({"garbage"})) == frozenset()
+    # nobody can get us shunned in our own eyes, nor a peer banned through its own record
+    assert banned_by_majority({"a": dict(banned=["late", "a"]), "b": dict(banned=["late"])}, "late", frozenset()) == frozenset()
+    # malformed records count as no ban
+    assert banned_by_majority({"a": dict(banned="garbage"), "b": dict(banned=[3, None])}, "late", frozenset()) == frozenset()
+
+
+def test_a_shunned_peer_is_not_live_but_its_progress_still_bounds_its_weight(monkeypatch):
+    records = {
+        "me": dict(round=3, round_tokens=900, rate=0.0),
+        "honest0": dict(round=3, round_tokens=1000, rate=0.0, banned=["garbage"]),
+        "honest1": dict(round=3, round_tokens=1100, rate=0.0, banned=["garbage"]),
+        "garbage": dict(round=3, round_tokens=1200, rate=0.0),
+    }
+    monkeypatch.setattr("p2p_diloco.swarm.read_progress", lambda dht, key: {k: dict(v) for k, v in records.items()})
+    link = _link({}, frozenset())
+    link.dht, link._progress_key, link.peer_id = None, "run.progress", "me"
+    link._banned, link._ledger = frozenset(), TokenLedger()
+    assert set(link._read_progress()) == {"honest0", "honest1"} and set(link.live_peers()) == {"honest0", "honest1"}
+    assert link._shunned == {"garbage"}
+    assert link._ledger.allowed(3)["garbage"] == 1200.0
