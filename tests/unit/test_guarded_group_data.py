@@ -4,9 +4,8 @@ and the reducer shares once banned peers are demoted."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from hivemind.p2p import PeerID
