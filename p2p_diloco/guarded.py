@@ -310,8 +310,10 @@ class GuardedAverager(DilocoAverager):
         joiner_step, joiner_base = self._step_and_base_of(joiner_gather)
         return joiner_step == step and (base is None or joiner_base == base)
 
-    async def _refused(self, peer: PeerID, what: str, banned_too: bool = True) -> bool:
-        if banned_too and (peer.to_base58() in self._banned or peer.to_base58() in self._shunned):
+    async def _refused(self, peer: PeerID, what: str, banned_too: bool = True, shunned_too: bool = True) -> bool:
+        if banned_too and peer.to_base58() in self._banned:
+            return True
+        if banned_too and shunned_too and peer.to_base58() in self._shunned:
             return True
         if self.membership is None:
             return False
@@ -349,7 +351,9 @@ class GuardedAverager(DilocoAverager):
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        if await self._refused(context.remote_id, "download the state"):
+        # a peer most others banned still gets the state from us: if they were wrong, it can catch up and train on
+        # the swarm's params with whoever groups with it (we never saw it misbehave)
+        if await self._refused(context.remote_id, "download the state", shunned_too=False):
             return  # nothing: the asker moves on to the next donor
         async for message in super().rpc_download_state(request, context):
             yield message

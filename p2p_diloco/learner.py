@@ -9,7 +9,8 @@
       if the swarm's round is over (its tokens reached the round's budget, or a deadline passed):
           (wait for the previous averaging if it is still in flight: the only time compute waits)
           catch up if the swarm moved on or holds other bytes for our outer step
-          snapshot = local_params; outer_grad = global_params - snapshot; weight = tokens behind it
+          snapshot = local_params; outer_grad = global_params - snapshot
+          weight = tokens of our round(s) at the outer steps it stands for (1 step; P with P streaming fragments)
           start averaging outer_grad in the background, keep training
 
 A failed or partial round is a value handled in ``_complete_averaging``, never an exception unwinding the
@@ -145,9 +146,9 @@ class Learner:
         self.peak_send_rate = 0.0  # bytes/s: the largest ~1 s burst of averaging traffic since the last record
         self._traffic_samples: deque[tuple[float, int]] = deque()  # (time, bytes sent), one per inner step
         self.round_tokens = 0  # tokens this peer processed in the swarm's current round
-        # tokens of this peer's last rounds, as many as there are fragments: a fragment's outer gradient stands for
-        # that many rounds, and its weight is their tokens (see _end_round)
-        self.recent_round_tokens: deque[int] = deque(maxlen=len(self.fragments))
+        # [outer step, tokens this peer trained in its rounds at that step] for its last outer steps, as many as there
+        # are fragments: a fragment's outer gradient stands for that many rounds, and its weight is their tokens
+        self.recent_round_tokens: deque[list[int]] = deque(maxlen=len(self.fragments))
         self.round_started = time.monotonic()
         self.steps_into_round = 0
         self.compute_s = self.blocked_s = 0.0
@@ -401,9 +402,15 @@ class Learner:
         # rounds declared 296k tokens against the others' 36k and 45k, took 78% of an outer step of ~5 rounds
         # of its own shard, and the held-out loss rose 2.219 -> 2.283. Weighted by its round, its carried
         # progress adds what it would have added in each of those rounds.
-        self.recent_round_tokens.append(self.round_tokens)
+        # A retry of the same outer step (our last averaging failed and nobody moved on) is the same round: a retry
+        # that peers still averaging that step end at once would otherwise weigh a full round by a few steps
+        recent = self.recent_round_tokens
+        if recent and recent[-1][0] == self.outer_step:
+            recent[-1][1] += self.round_tokens
+        else:
+            recent.append([self.outer_step, self.round_tokens])
         tokens = self.tokens_unsynced
-        weight = float(min(tokens, sum(self.recent_round_tokens)))
+        weight = float(min(tokens, sum(count for _, count in recent)))
         what = f"fragment {fragment + 1}/{len(self.fragments)}" if len(self.fragments) > 1 else "outer gradient"
         carried = f", {tokens - int(weight)} more carried" if tokens > weight else ""
         logger.info("outer step %d: averaging started (%s, weight %d tokens%s)", self.outer_step, what, weight, carried)
@@ -629,6 +636,7 @@ class Learner:
                 data_position=self.dataset.train.position,
                 tokens_total=self.tokens_total,
                 unsynced_by_fragment=list(self.unsynced_by_fragment),
+                recent_round_tokens=[list(entry) for entry in self.recent_round_tokens],
             )
         path = checkpoint.save_atomic(self.config.run.checkpoint_dir, self.outer_step, state)
         logger.info("checkpoint written: %s", path)
@@ -664,6 +672,7 @@ class Learner:
             position, tokens_total = int(state["data_position"]), int(state["tokens_total"])
             saved_sha = str(state["global_sha256"])
             unsynced = [int(t) for t in state.get("unsynced_by_fragment", [0] * len(self.fragments))]
+            recent = [[int(step), int(count)] for step, count in state.get("recent_round_tokens", [])]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"checkpoint {path} lacks a field or has a bad one ({type(e).__name__}: {e})") from None
         shapes = [tuple(p.shape) for p in self.global_params]
@@ -688,4 +697,5 @@ class Learner:
         self.dataset.train.position = position
         self.tokens_total = tokens_total
         self.unsynced_by_fragment = unsynced
+        self.recent_round_tokens = deque(recent, maxlen=len(self.fragments))
         self.resumed_from = str(path)

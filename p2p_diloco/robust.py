@@ -169,16 +169,24 @@ def demote_reducers(
     return tuple(fraction / total for fraction in kept), demoted
 
 
-def banned_by_majority(records: dict[str, dict], own_id: str, own_bans: frozenset[str] | set[str]) -> frozenset[str]:
+def banned_by_majority(
+    records: dict[str, dict], own_id: str, own_bans: frozenset[str] | set[str], participants: frozenset[str] | set[str]
+) -> frozenset[str]:
     """The peers that more than half of the swarm's voters banned, per their progress records (``banned``).
 
-    The voters are this peer and every other peer in ``records`` that this peer has not banned itself (a banned
-    garbage reducer gets no say); an accused peer is not a voter about itself, nor is its own record counted.
-    A peer that joins late has never seen a bad reducer misbehave, and follows it as a leader into a failed
-    round (or several: its first bad result may be a timed-out all-reduce, not a bad average) unless it takes
-    the others' word for it. A strict majority is needed, so one hostile peer's accusations ban nobody.
+    The voters are this peer and every other peer in ``records`` that took part in an averaging this peer knows
+    of (``participants``: its own groups' members and the round history of a verified state it downloaded; a
+    group's members are proven by libp2p, while anyone can write a record under any subkey, so one process could
+    otherwise publish many records and get honest peers shunned) and that this peer has not banned itself (a
+    banned garbage reducer gets no say); an accused peer is not a voter about itself. A peer that joins late has
+    never seen a bad reducer misbehave, and follows it as a leader into a failed round (or several: its first
+    bad result may be a timed-out all-reduce, not a bad average) unless it takes the others' word for it. A
+    strict majority is needed: one voter's accusations ban nobody, and a tie bans nobody.
     """
-    voters = {peer: record for peer, record in records.items() if peer != own_id and peer not in own_bans}
+    voters = {
+        peer: record for peer, record in records.items()
+        if peer != own_id and peer not in own_bans and peer in participants
+    }
     accused: dict[str, int] = {}
     for voter, record in voters.items():
         banned = record.get("banned") if isinstance(record, dict) else None

@@ -220,6 +220,9 @@ class SwarmLink:
         # peers that most of the others banned (their progress records say so): not live to us either, never our
         # leader nor let into our groups, though we never saw them misbehave (robust.banned_by_majority)
         self._shunned: frozenset[str] = frozenset()
+        # peers proven to have averaged: our groups' members, and those a verified downloaded state's history names.
+        # Only they vote on bans (anyone can write a progress record under any subkey)
+        self._participants: frozenset[str] = frozenset()  # replaced whole, never changed in place (two threads)
         # senders whose parts our reducer left out of our latest averaging: they add nothing to the outer step,
         # so they don't count in our round's budget (see round_view)
         self._left_out: frozenset[str] = frozenset()
@@ -394,6 +397,8 @@ class SwarmLink:
             lambda: self._moved_past(outer_step), base=str(base) if base else None,
         )
         rejected = tuple(self._averager.take_rejections())
+        if outcome.averaged is not None:
+            self._participants = self._participants | set(outcome.peers)
         banned = self._averager.banned_peers()
         if banned != self._banned and beacon is not None:
             beacon.update(banned=sorted(banned))  # the others take our word for it once most of them agree
@@ -411,7 +416,7 @@ class SwarmLink:
         peers, now = self._all_progress(), get_dht_time()
         for peer, record in peers.items():
             self._ledger.observe(peer, record.get("round"), _tokens_now(record, now, 2 * self.config.progress_period_s))
-        shunned = banned_by_majority(peers, self.peer_id, self._banned)
+        shunned = banned_by_majority(peers, self.peer_id, self._banned, self._participants)
         for peer in sorted(shunned - self._shunned):
             logger.warning("%s was banned by most peers of the swarm: not grouping with it either", peer)
         self._shunned = shunned
@@ -487,6 +492,7 @@ class SwarmLink:
             metadata, tensors, donor = loaded
             state = self._verified_state(metadata, tensors, num_params=num_params, donor=donor)
             if isinstance(state, SwarmState):
+                self._participants = self._participants.union(*state.round_history.values())
                 return dataclasses.replace(state, refused_donors=tuple(sorted(reasons.items())))
             logger.warning("donor %s: %s; asking another donor", donor, state)
             refused.add(donor)

@@ -1,6 +1,6 @@
 """What GuardedAverager reads from a group's gathered data (guarded.py), driven without a DHT or averager process:
 the outer step and base a joiner declares (a leader refuses another step or other global params), the weight ratio the result check allows for,
-and the reducer shares once banned peers are demoted."""
+the reducer shares once banned peers are demoted, and whom a peer refuses (its banned peers, and those most of the swarm banned)."""
 
 from __future__ import annotations
 
@@ -104,3 +104,5 @@ def test_our_banned_peers_and_those_most_of_the_swarm_banned_are_neither_followe
     assert refused == [True, True, False]
     # their parts are still taken when a groupmate let them in (checked like anyone's)
     assert not asyncio.run(fake._refused(theirs, "send parts", banned_too=False))
+    # and the state is served to a peer only the others banned: if they were wrong, it can still catch up
+    assert [asyncio.run(fake._refused(peer, "download the state", shunned_too=False)) for peer in PEERS] == [True, False, False]

@@ -220,3 +220,35 @@ def test_a_round_that_failed_without_us_carries_all_progress(make_config):
     assert_all_close(learner.params, expected)
     assert learner.tokens_unsynced == 2 * LOCAL_STEPS * BATCH * learner.config.model.seq_len
     assert learner.unconfirmed is None
+
+
+class FailingLink(AheadLink):
+    """AheadLink whose averagings all fail (nobody came)."""
+
+    def average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
+        self.averaged.append(dict(tensors=snapshot(tensors), weight=weight, outer_step=outer_step))
+        return AveragingOutcome(None, (), 0.0, "no_group", "nobody came")
+
+
+def test_progress_carried_past_a_failed_round_onto_the_swarms_next_step_weighs_only_that_steps_round(make_config):
+    """A peer whose averaging failed while the others' succeeded carries its progress into the swarm's next step;
+    its outer gradient then holds both rounds, but its weight is the tokens of its round at that step, as the
+    others' is: weighted by both, its progress would count twice in that average."""
+    learner = _learner_with_local_progress(make_config)
+    tokens_per_step = BATCH * learner.config.model.seq_len
+    learner._end_round(FailingLink(-1, None))  # outer step 0 fails here; the others' succeeded
+    assert learner.outer_step == 0 and learner.tokens_unsynced == LOCAL_STEPS * tokens_per_step
+    link = AheadLink(-1, None)
+    for _ in range(LOCAL_STEPS):
+        learner._inner_step(link)
+    state = _swarm_state(learner, outer_step=1, steps_into_round=0)
+    assert learner._catch_up(AheadLink(1, state)) is True  # the round failed without us in it: all progress carried
+    for _ in range(LOCAL_STEPS):
+        learner._inner_step(link)
+    ahead = AheadLink(1, state)
+    learner._end_round(ahead)
+    (call,) = ahead.averaged
+    assert call["outer_step"] == 1
+    assert call["weight"] == float(2 * LOCAL_STEPS * tokens_per_step)  # its round at step 1, across the catch-up
+    assert learner.outer_step == 2 and learner.tokens_unsynced == 0  # the success synced all three rounds' worth
+    assert learner.tokens_total == 3 * LOCAL_STEPS * tokens_per_step

@@ -75,10 +75,10 @@ def test_failed_round_keeps_global_state_and_local_progress(make_config):
     assert learner.round_tokens == 0 and learner.steps_into_round == 0
 
 
-def test_next_successful_round_carries_both_rounds_of_progress_at_one_round_of_weight(make_config):
-    """The outer gradient after a failed round holds both rounds' progress, and all of it is synced by the success;
-    its weight is the tokens of one round (DESIGN.md §2: w_i = tokens this round): weighted by both, a peer whose
-    rounds failed more often than its groupmates' would count its carried progress several times over."""
+def test_next_successful_round_carries_both_rounds_of_tokens_and_progress(make_config):
+    """A retry of the same outer step (nobody moved on: the round failed for everyone) is the same round: its
+    weight is the tokens of both attempts, as everyone's is (test_learner_catch_up: a peer that carries its
+    progress onto the swarm's next step is weighted by its round at that step alone)."""
     config = _config(make_config, max_outer_steps=1)
     initial = snapshot(build_model(config.model, config.run.seed).parameters())
     learner = Learner(config, make_dataset(config), metrics=NullSink())
@@ -87,7 +87,7 @@ def test_next_successful_round_carries_both_rounds_of_progress_at_one_round_of_w
     learner.run(link)
 
     round_tokens = H * BATCH * config.model.seq_len
-    assert [c["weight"] for c in link.calls] == [float(round_tokens), float(round_tokens)]
+    assert [c["weight"] for c in link.calls] == [float(round_tokens), float(2 * round_tokens)]
     assert [c["outer_step"] for c in link.calls] == [0, 0]  # the failed round did not advance the step
     # the outer gradient of each attempt is everything trained since the last sync: H, then 2H AdamW steps
     for call, steps in zip(link.calls, (H, 2 * H), strict=True):

@@ -199,10 +199,49 @@ def test_failed_averaging_in_flight_keeps_everything_for_the_next_round(make_con
     assert_all_close(learner.params, local_before, rtol=0, atol=0)
     assert learner.tokens_unsynced == 2 * H * BATCH_TOKENS
 
-    learner._end_round(link)  # the next outer gradient carries both rounds' progress, weighted by its round's tokens
-    assert link.calls[1]["outer_step"] == 0 and link.calls[1]["weight"] == float(H * BATCH_TOKENS)
+    learner._end_round(link)  # the next outer gradient carries both rounds' progress and tokens (a retry of step 0)
+    assert link.calls[1]["outer_step"] == 0 and link.calls[1]["weight"] == float(2 * H * BATCH_TOKENS)
     assert learner.pending is not None and learner.pending.tokens_behind == 2 * H * BATCH_TOKENS
     assert_all_close(link.calls[1]["tensors"], [g - lo for g, lo in zip(global_before, local_before, strict=True)])
+
+
+def test_a_retry_of_the_same_step_ended_at_once_still_weighs_the_whole_round(make_config):
+    """Peers still averaging the step end our retry's round at the next inner step; the weight is the tokens of the
+    step's rounds together, not of that one step."""
+    learner = _learner(_config(make_config))
+    link = FakeLink()
+    for _ in range(H):
+        learner._inner_step(link)
+    learner._end_round(link)
+    learner._inner_step(link)  # one step while the averaging is in flight
+    learner.pending.future.set_result(AveragingOutcome(None, (), 0.0, "no_group", "nobody came"))
+    learner._complete_averaging(link)
+    link.view = RoundView(live_peers=2, tokens_by_others=0, peers_ahead=2)  # the others average step 0 still
+    learner._inner_step(link)
+    assert learner._round_is_over(link)
+    learner._end_round(link)
+    assert [c["outer_step"] for c in link.calls] == [0, 0]
+    assert link.calls[1]["weight"] == float((H + 2) * BATCH_TOKENS) == learner.pending.tokens_behind
+
+
+def test_a_fragment_is_weighted_by_the_rounds_since_its_last_averaging(make_config):
+    inner = InnerConfig(inner_steps=H, batch_size=BATCH, lr=1e-2, grad_clip_norm=1.0, fragments=2)
+    learner = _learner(_config(make_config, inner=inner))
+    link = FakeLink()
+    outcomes = ["ok", "ok", "no_group", "ok", "ok"]  # outer steps 0, 1, 2 (fails: fragment 0 carries it), 2, 3
+    for status in outcomes:
+        for _ in range(H):
+            learner._inner_step(link)
+        learner._end_round(link)
+        averaged = link.calls[-1]["tensors"] if status == "ok" else None
+        learner.pending.future.set_result(AveragingOutcome(averaged, ("fake",), 1.0, status, ""))
+        learner._complete_averaging(link)
+    round_tokens = H * BATCH_TOKENS
+    weights = [c["weight"] for c in link.calls]
+    # steps 0 and 1: every token since the start; then the two rounds since the fragment's last averaging; the
+    # retry of step 2 (fragment 0) and step 3 (fragment 1) each stand for the two attempts at step 2 and one more
+    assert weights == [round_tokens, 2 * round_tokens, 2 * round_tokens, 3 * round_tokens, 3 * round_tokens]
+    assert learner.unsynced_by_fragment == [round_tokens, 0]  # fragment 0: the round at step 3, sent at step 4
 
 
 def test_round_end_waits_for_the_averaging_still_in_flight(make_config):

@@ -16,7 +16,7 @@ def _link(records: dict[str, dict], left_out: frozenset[str]) -> SwarmLink:
     link.config = SwarmConfig()
     link._beacon = SimpleNamespace(peers=records)
     link._left_out = left_out
-    link._shunned = frozenset()
+    link._shunned, link._participants = frozenset(), frozenset()
     return link
 
 
@@ -55,16 +55,24 @@ def test_a_peer_most_of_the_swarm_banned_is_shunned_by_a_peer_that_never_met_it(
         "honest1": dict(banned=["garbage"]),
         "garbage": dict(banned=["honest0", "honest1", "late"]),  # accusing back
     }
+    everyone = frozenset(records)
     # voters: late (us), honest0, honest1; 2 of 3 banned it. The garbage reducer's accusations: 1 vote each
-    assert banned_by_majority(records, "late", frozenset()) == {"garbage"}
+    assert banned_by_majority(records, "late", frozenset(), everyone) == {"garbage"}
     # one peer's word is not enough: 1 of 3 voters
-    assert banned_by_majority({**records, "honest1": {}}, "late", frozenset()) == frozenset()
+    assert banned_by_majority({**records, "honest1": {}}, "late", frozenset(), everyone) == frozenset()
+    # nor is a tie: 2 of 4 voters
+    assert banned_by_majority({**records, "honest2": {}}, "late", frozenset(), everyone | {"honest2"}) == frozenset()
     # a peer we banned ourselves gets no vote, and is not reported again
-    assert banned_by_majority(records, "late", frozenset({"garbage"})) == frozenset()
+    assert banned_by_majority(records, "late", frozenset({"garbage"}), everyone) == frozenset()
+    # only peers known to have averaged vote: records under made-up ids (anyone can write one) count for nothing
+    sybils = {f"sybil{k}": dict(banned=["honest0"]) for k in range(5)}
+    assert banned_by_majority({**records, **sybils}, "late", frozenset(), everyone) == {"garbage"}
+    assert banned_by_majority(records, "late", frozenset(), frozenset({"honest0"})) == frozenset()  # 1 of 2 voters
     # nobody can get us shunned in our own eyes, nor a peer banned through its own record
-    assert banned_by_majority({"a": dict(banned=["late", "a"]), "b": dict(banned=["late"])}, "late", frozenset()) == frozenset()
+    ab = frozenset({"a", "b"})
+    assert banned_by_majority({"a": dict(banned=["late", "a"]), "b": dict(banned=["late"])}, "late", frozenset(), ab) == frozenset()
     # malformed records count as no ban
-    assert banned_by_majority({"a": dict(banned="garbage"), "b": dict(banned=[3, None])}, "late", frozenset()) == frozenset()
+    assert banned_by_majority({"a": dict(banned="garbage"), "b": dict(banned=[3, None])}, "late", frozenset(), ab) == frozenset()
 
 
 def test_a_shunned_peer_is_not_live_but_its_progress_still_bounds_its_weight(monkeypatch):
@@ -77,7 +85,9 @@ def test_a_shunned_peer_is_not_live_but_its_progress_still_bounds_its_weight(mon
     monkeypatch.setattr("p2p_diloco.swarm.read_progress", lambda dht, key: {k: dict(v) for k, v in records.items()})
     link = _link({}, frozenset())
     link.dht, link._progress_key, link.peer_id = None, "run.progress", "me"
-    link._banned, link._ledger = frozenset(), TokenLedger()
+    link._banned, link._ledger, link._participants = frozenset(), TokenLedger(), frozenset()
+    assert set(link._read_progress()) == {"honest0", "honest1", "garbage"}  # no voter known to have averaged yet
+    link._participants = frozenset({"honest0", "honest1", "garbage"})  # e.g. from a downloaded state's history
     assert set(link._read_progress()) == {"honest0", "honest1"} and set(link.live_peers()) == {"honest0", "honest1"}
     assert link._shunned == {"garbage"}
     assert link._ledger.allowed(3)["garbage"] == 1200.0
