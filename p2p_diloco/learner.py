@@ -399,8 +399,8 @@ class Learner:
         # The weight is the tokens of the rounds this outer gradient stands for (DESIGN.md §2: w_i = tokens this
         # round), not all the progress it carries. After failed rounds the carried progress is k rounds' worth;
         # weighted by all of it, a mean of deltas counts it k times over: a peer that had chased the swarm for 6
-        # rounds declared 296k tokens against the others' 36k and 45k, took 78% of an outer step of ~5 rounds
-        # of its own shard, and the held-out loss rose 2.219 -> 2.283. Weighted by its round, its carried
+        # rounds declared 296k tokens against the others' 36k and 45k, weighed 66-78% in that outer step even
+        # after clamping, and the held-out loss rose 2.219 -> 2.283. Weighted by its round, its carried
         # progress adds what it would have added in each of those rounds.
         # A retry of the same outer step (our last averaging failed and nobody moved on) is the same round: a retry
         # that peers still averaging that step end at once would otherwise weigh a full round by a few steps

@@ -177,7 +177,9 @@ def banned_by_majority(
     The voters are this peer and every other peer in ``records`` that took part in an averaging this peer knows
     of (``participants``: its own groups' members and the round history of a verified state it downloaded; a
     group's members are proven by libp2p, while anyone can write a record under any subkey, so one process could
-    otherwise publish many records and get honest peers shunned) and that this peer has not banned itself (a
+    otherwise publish many records and get honest peers shunned. The history is the donor's word: the sha256
+    check covers the params it serves, not its metadata, so a donor with the swarm's params could name
+    made-up voters) and that this peer has not banned itself (a
     banned garbage reducer gets no say); an accused peer is not a voter about itself. A peer that joins late has
     never seen a bad reducer misbehave, and follows it as a leader into a failed round (or several: its first
     bad result may be a timed-out all-reduce, not a bad average) unless it takes the others' word for it. A
