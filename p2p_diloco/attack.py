@@ -57,7 +57,7 @@ LATE_START_S = 8.0  # honest2 begins this much after the others, when the swarm 
 DEFAULT_FLAGS = [
     "--n-layers", "2", "--d-model", "64", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
     "--inner-steps", "80", "--matchmaking-time-s", "3", "--averaging-timeout-s", "30", "--chunk-timeout-s", "4",
-    "--state-timeout-s", "30", "--compression", "int8", "--progress-period-s", "1", "--checkpoint-every", "100",
+    "--state-timeout-s", "30", "--compression", "int8", "--progress-period-s", "1", "--progress-idle-period-s", "1", "--checkpoint-every", "100",
 ]
 # Rounds of 80 inner steps last about 7 s here, several progress periods: with 20 inner steps and a 2 s period
 # (the flags before) a round was shorter than the averaging and than a period, its end was decided by stale

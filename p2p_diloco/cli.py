@@ -81,6 +81,7 @@ _FLAG_FIELDS = {
     "monitor_port": ("run", "monitor_port"),
     "monitor_host": ("run", "monitor_host"),
     "progress_period_s": ("swarm", "progress_period_s"),
+    "progress_idle_period_s": ("swarm", "progress_idle_period_s"),
     "swarm_key_file": ("swarm", "swarm_key_file"),
     "allow_list": ("swarm", "allow_list_file"),
     "adversary": ("swarm", "adversary"),
@@ -111,7 +112,8 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     swarm.add_argument("--averaging-timeout-s", type=float, default=s, help=f"seconds after which a round's averaging is abandoned (default {d.swarm.averaging_timeout_s})")
     swarm.add_argument("--chunk-timeout-s", type=float, default=s, help=f"seconds of silence after which a groupmate is dropped from an all-reduce (default {d.swarm.chunk_timeout_s})")
     swarm.add_argument("--state-timeout-s", type=float, default=s, help=f"seconds allowed for downloading the swarm's state (default {d.swarm.state_timeout_s})")
-    swarm.add_argument("--progress-period-s", type=float, default=s, help=f"seconds between this peer's progress records in the DHT; shorter tracks round ends more closely at more background traffic (default {d.swarm.progress_period_s})")
+    swarm.add_argument("--progress-period-s", type=float, default=s, help=f"seconds between this peer's progress records in the DHT near a round's end, while averaging and while peers join or leave; shorter tracks round ends more closely at more background traffic (default {d.swarm.progress_period_s})")
+    swarm.add_argument("--progress-idle-period-s", type=float, default=s, help="the same while the round's end is more than 3 of these away and no peer came or went; equal to --progress-period-s for a constant period (default: the larger of 5 s and --progress-period-s)")
     swarm.add_argument("--swarm-key-file", default=s, metavar="PATH", help="close the run: a file with a secret (>= 16 bytes) that every member holds; only members can store DHT records, average or download state (default: an open run)")
     swarm.add_argument("--allow-list", default=s, metavar="PATH", help="close the run to the public keys listed in this file (one per line, as --show-identity prints them); only listed peers can store DHT records, average or download state; needs --identity")
     swarm.add_argument("--reachability", choices=REACHABILITY, default=s, help="how this peer takes part: direct (others can dial it), relay (behind a NAT or firewall: reachable through a relay peer), client (dial out only: sends its outer gradient and receives the average, reduces no part); auto asks an initial peer to dial back: direct if it gets through, else client (default auto)")

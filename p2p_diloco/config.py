@@ -171,8 +171,11 @@ class SwarmConfig:
     averaging_timeout_s: float = 60.0  # give up on a round's averaging after this long
     chunk_timeout_s: float = 5.0  # a groupmate silent this long in an all-reduce is dropped from it
     state_timeout_s: float = 60.0  # bound on one state download from a peer
-    progress_period_s: float = 1.0  # how often this peer publishes its progress and reads the others' (DHT); 5 s
-    # sends ~4x less background traffic, but its staler views split groups more often when a peer joins late
+    progress_period_s: float = 1.0  # how often this peer publishes its progress and reads the others' (DHT) near
+    # a round's end, while averaging, at start and when peers join or leave; 5 s throughout sends ~4x less background
+    # traffic, but its staler views split groups more often when a peer joins late
+    progress_idle_period_s: float = 0.0  # the same while nothing is near (the round's end is over 3 of these away
+    # and no peer came or went); 0 = the larger of 5 s and progress_period_s
     progress_ttl_s: float = 20.0  # a peer whose progress record is older than this counts as gone
     startup_timeout_s: float = 60.0  # bound on joining the DHT at start
     swarm_key_file: str | None = None  # secret shared by the members of a closed run; None = an open run
@@ -182,6 +185,11 @@ class SwarmConfig:
     relay_service: bool = True  # relay for peers behind NAT when this peer is reachable (bounded by p2pd's limits)
     relay_wait_s: float = 20.0  # how long a peer in relay mode waits for its relay to carry a stranger's dial
     adversary: str = ""  # TEST ONLY: make this peer misbehave (one of ADVERSARIES; see p2p_diloco/adversary.py)
+
+    @property
+    def idle_period_s(self) -> float:
+        """The progress records' period while nothing is near (``progress_idle_period_s``, or its automatic value)."""
+        return self.progress_idle_period_s or max(5.0, self.progress_period_s)
 
     def __post_init__(self) -> None:
         _require(
@@ -207,8 +215,16 @@ class SwarmConfig:
             "swarm.averaging_timeout_s must exceed swarm.matchmaking_time_s",
         )
         _require(
+            self.progress_idle_period_s == 0 or self.progress_idle_period_s >= self.progress_period_s,
+            "swarm.progress_idle_period_s must be 0 (automatic) or at least swarm.progress_period_s",
+        )
+        _require(
             self.progress_ttl_s >= 3 * self.progress_period_s,
             "swarm.progress_ttl_s must be at least 3x swarm.progress_period_s",
+        )
+        _require(
+            self.progress_ttl_s >= 3 * self.idle_period_s,
+            "swarm.progress_ttl_s must be at least 3x swarm.progress_idle_period_s",
         )
         _require(
             self.reachability in REACHABILITY,

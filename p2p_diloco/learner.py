@@ -146,6 +146,7 @@ class Learner:
         self.peak_send_rate = 0.0  # bytes/s: the largest ~1 s burst of averaging traffic since the last record
         self._traffic_samples: deque[tuple[float, int]] = deque()  # (time, bytes sent), one per inner step
         self.round_tokens = 0  # tokens this peer processed in the swarm's current round
+        self._published_plan: tuple = ()  # (round, budget, its start) last published: what ends this peer's round
         # [outer step, tokens this peer trained in its rounds at that step] for its last outer steps, as many as there
         # are fragments: a fragment's outer gradient stands for that many rounds, and its weight is their tokens
         self.recent_round_tokens: deque[list[int]] = deque(maxlen=len(self.fragments))
@@ -372,9 +373,15 @@ class Learner:
         view = link.round_view(self.round_index)
         if view.peers_ahead:
             return True
-        if view.tokens_by_others + self.round_tokens >= self._round_budget_tokens(view.live_peers):
-            return True
+        budget = self._round_budget_tokens(view.live_peers)
         deadline_s = self.config.inner.round_deadline_s
+        plan = (self.round_index, budget, self.round_started)
+        if plan != self._published_plan:  # the beacons pace their records by how near the round's end is
+            self._published_plan = plan
+            ends = dict(round_deadline=round(time.time() + deadline_s - (time.monotonic() - self.round_started), 3))
+            link.publish(round_budget=budget, **(ends if deadline_s else {}))
+        if view.tokens_by_others + self.round_tokens >= budget:
+            return True
         return bool(deadline_s) and time.monotonic() - self.round_started >= deadline_s
 
     def _end_round(self, link: Link) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import signal
 import threading
@@ -41,6 +42,7 @@ from p2p_diloco.robust import TokenLedger, banned_by_majority
 
 logger = logging.getLogger(__name__)
 _DHT_TIMEOUT_S = 10.0
+_NEAR_PERIODS = 3  # within this many idle periods of a round's end (or of a change), progress records go fast
 
 
 def read_progress(dht: DHT, key: str, timeout_s: float = _DHT_TIMEOUT_S) -> dict[str, dict]:
@@ -50,9 +52,25 @@ def read_progress(dht: DHT, key: str, timeout_s: float = _DHT_TIMEOUT_S) -> dict
     peers = {}
     if found is not None and isinstance(found.value, dict):
         for peer, item in found.value.items():
-            if isinstance(item, ValueWithExpiration) and isinstance(item.value, dict) and not item.value.get("left"):
+            if isinstance(item, ValueWithExpiration) and _well_formed(item.value) and not item.value.get("left"):
                 peers[str(peer)] = item.value
     return peers
+
+
+_PLAN_FIELDS = frozenset({"round_budget", "round_deadline"})  # what ends this peer's round; read by the others' pace
+_NUMERIC_FIELDS = ("round", "outer_step", "round_tokens", "round_budget", "rate", "time", "period", "round_deadline")
+
+
+def _well_formed(record: object) -> bool:
+    """A progress record whose numeric fields, where present, are finite numbers: anyone can write one, and an
+    infinite ``round`` or ``rate`` (msgpack carries them) raised OverflowError in the training loop's arithmetic."""
+    if not isinstance(record, dict):
+        return False
+    for name in _NUMERIC_FIELDS:
+        value = record.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)):
+            return False
+    return True
 
 
 async def _rejoin(dht: DHT, node: DHTNode, peer_ids: Sequence[str], bootstrap: Sequence[str], timeout_s: float) -> int:
@@ -87,6 +105,8 @@ async def _rejoin(dht: DHT, node: DHTNode, peer_ids: Sequence[str], bootstrap: S
 class ProgressBeacon:
     """Every ``period_s``, from a daemon thread: publishes this peer's latest progress record in the DHT and
     reads the other peers' records, so the training loop never waits on the DHT to know where the swarm is.
+    ``pace``, if given, is asked for the period again before each wait (``SwarmLink._pace``); every record says
+    the period it was published under (``period``), so that readers extrapolate it as far as it may be stale.
 
     When the read finds nobody else although peers were seen before (or initial peers were given), the beacon
     pings them (``_rejoin``), at most once per ``rejoin_every_s``: a DHT that lost its routing table reconnects.
@@ -100,9 +120,10 @@ class ProgressBeacon:
         ttl_s: float,
         read_peers: Callable[[], dict[str, dict]],
         bootstrap: Sequence[str] = (),
+        pace: Callable[[], float] | None = None,
     ):
         self._dht, self._key, self._period_s, self._ttl_s = dht, key, period_s, ttl_s
-        self._read_peers = read_peers
+        self._read_peers, self._pace = read_peers, pace
         self.peers: dict[str, dict] = {}  # the other peers' records as of the last period (read by the learner)
         self._bootstrap = list(bootstrap)
         self._seen: dict[str, float] = {}  # peer id -> when (monotonic) its record was last read: whom to re-ping
@@ -112,6 +133,8 @@ class ProgressBeacon:
         self._record: dict = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set to end the current wait early (stop, or the pace may have changed)
+        self._idled = False  # the pace went idle at least once (said once at INFO)
         self._thread = threading.Thread(target=self._loop, name="progress-beacon", daemon=True)
         self._thread.start()
 
@@ -135,14 +158,44 @@ class ProgressBeacon:
             return_future=True,
         )
 
+    def wake(self) -> None:
+        """Publish and read now rather than at the end of the current wait (which may be an idle period)."""
+        self._wake.set()
+
     def _loop(self) -> None:
-        while not self._stop.wait(self._period_s):
+        period_s = self._period_s
+        while True:
+            self._wake.wait(period_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
-                self.publish_now()
                 self.peers = self._read_peers()
                 self._remember_or_rejoin()
             except Exception as e:  # a DHT hiccup must not kill the beacon
-                logger.debug("progress exchange failed: %r", e)
+                logger.debug("reading progress failed: %r", e)
+            period_s = self._next_period(period_s)
+            try:
+                self.publish_now()
+            except Exception as e:
+                logger.debug("publishing progress failed: %r", e)
+
+    def _next_period(self, period_s: float) -> float:
+        if self._pace is None:
+            return self._period_s
+        try:
+            paced_s = self._pace()
+        except Exception as e:  # a bug or a record nobody foresaw: never stop publishing over it
+            logger.debug("pacing failed: %r", e)
+            paced_s = self._period_s
+        if paced_s != period_s:
+            first = paced_s > self._period_s and not self._idled
+            self._idled = self._idled or paced_s > self._period_s
+            (logger.info if first else logger.debug)(
+                "progress records every %.1f s from now%s", paced_s, " (while a round's end is far)" if first else ""
+            )
+        self.update(period=paced_s)  # before publishing: the next record is at most this old
+        return paced_s
 
     def _remember_or_rejoin(self) -> None:
         now = time.monotonic()
@@ -166,6 +219,7 @@ class ProgressBeacon:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=2 * self._period_s)
 
     def leave(self) -> None:
@@ -227,6 +281,11 @@ class SwarmLink:
         # so they don't count in our round's budget (see round_view)
         self._left_out: frozenset[str] = frozenset()
         self._beacon: ProgressBeacon | None = None
+        # the beacon's pace (_pace): fast until then (monotonic), and the live peers it saw
+        self._fast_until = time.monotonic() + _NEAR_PERIODS * config.idle_period_s
+        self._paced_members: dict[str, float] = {}  # peer id -> when (monotonic) the beacon last saw its record
+        self._averaging_in_flight = False
+        self._period_now = config.progress_period_s  # the beacon's current period
         previous_sigint = signal.getsignal(signal.SIGINT)
         try:
             self._averager = GuardedAverager(
@@ -244,7 +303,8 @@ class SwarmLink:
                 allreduce_timeout=config.averaging_timeout_s,
                 client_mode=client,  # reduces no part; hivemind leaves its share to the others
                 allow_state_sharing=not client,
-                declare_state_period=config.progress_period_s * 2,
+                # a new outer step re-declares at once (refresh_donor_priority); this only keeps the declaration alive
+                declare_state_period=config.idle_period_s * 2,
                 shutdown_timeout=5,
             )
             self._beacon = ProgressBeacon(
@@ -254,6 +314,7 @@ class SwarmLink:
                 config.progress_ttl_s,
                 self._read_progress,
                 bootstrap=config.initial_peers,
+                pace=self._pace,
             )
             if client:
                 self._beacon.update(client=True)  # others know this peer can't reduce: see average()
@@ -271,7 +332,13 @@ class SwarmLink:
     def publish(self, **fields: object) -> None:
         """Set fields of this peer's progress record; published by the beacon (and now, if the step moved)."""
         assert self._beacon is not None
-        self._beacon.update(**fields, time=get_dht_time())
+        before = self._beacon.own_record()
+        if set(fields) <= _PLAN_FIELDS:
+            self._beacon.update(**fields)  # no new tokens: the record's time stays that of its round_tokens
+        else:
+            self._beacon.update(**fields, time=get_dht_time())
+        if any(name in fields and fields[name] != before.get(name) for name in ("round", *_PLAN_FIELDS)):
+            self._beacon.wake()  # a new round or a nearer end: the idle wait must not hide it for seconds
         if "outer_step" in fields:
             self._beacon.publish_now()
             self.refresh_donor_priority(int(fields["outer_step"]), str(fields.get("global_sha256", "")))
@@ -353,6 +420,15 @@ class SwarmLink:
         Peers that are alive but behind are waited for (they catch up by downloading state and join this
         outer step), so that a fast peer never runs off on its own while others are there.
         """
+        self._averaging_in_flight = True  # progress records go fast meanwhile (_pace)
+        if self._beacon is not None:
+            self._beacon.wake()
+        try:
+            return self._average(tensors, weight, outer_step)
+        finally:
+            self._averaging_in_flight = False
+
+    def _average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
         residual, feedback = None, None
         if self._error_feedback is not None:
             feedback = self._error_feedback[outer_step % len(self._error_feedback)]
@@ -415,7 +491,7 @@ class SwarmLink:
         no record of its progress only the cap of 10x the group's median, 430k, applied)."""
         peers, now = self._all_progress(), get_dht_time()
         for peer, record in peers.items():
-            self._ledger.observe(peer, record.get("round"), _tokens_now(record, now, 2 * self.config.progress_period_s))
+            self._ledger.observe(peer, record.get("round"), _tokens_now(record, now, self._horizon_s(record)))
         shunned = banned_by_majority(peers, self.peer_id, self._banned, self._participants)
         for peer in sorted(shunned - self._shunned):
             logger.warning("%s was banned by most peers of the swarm: not grouping with it either", peer)
@@ -455,9 +531,70 @@ class SwarmLink:
         now = get_dht_time()
         return RoundView(
             live_peers=len(peers),
-            tokens_by_others=sum(_tokens_now(r, now, 2 * self.config.progress_period_s) for r in peers if r.get("round") == round_index),
+            tokens_by_others=sum(_tokens_now(r, now, self._horizon_s(r)) for r in peers if r.get("round") == round_index),
             peers_ahead=sum(int(r.get("round", -1)) > round_index for r in peers),
         )
+
+    def _horizon_s(self, record: dict) -> float:
+        """How far ahead a peer's record is extrapolated: two periods, of the longer of the one it says it was
+        published under and the one we read at now (a record read every 5 s may be 6 s old though published every
+        second), within our own two periods (a record can't stretch its tokens further by claiming a long one)."""
+        fast, idle = self.config.progress_period_s, self.config.idle_period_s
+        period = record.get("period", fast)
+        if isinstance(period, bool) or not isinstance(period, int | float) or not math.isfinite(period):
+            period = fast
+        return 2 * min(max(period, self._period_now, fast), idle)
+
+    def _pace(self) -> float:
+        """The beacon's next period: the short one (``progress_period_s``) while anything is near or changing,
+        the idle one otherwise. Near: the round's end is less than 3 idle periods away by the records at hand.
+        Changing: the first 3 idle periods after start, or after a peer joined (it must be seen by all alike
+        before the round ends), and while an averaging is in flight (its group forms, and a
+        step others take must be seen at once). Published records carry this period (see ``_horizon_s``)."""
+        self._period_now = self._choose_pace()
+        return self._period_now
+
+    def _choose_pace(self) -> float:
+        fast, idle = self.config.progress_period_s, self.config.idle_period_s
+        beacon = self._beacon
+        if idle <= fast or beacon is None:
+            return fast
+        now = time.monotonic()
+        # a joiner: a peer not seen within a record's lifetime. A known peer missing from one read (a partial DHT
+        # answer) is no change; a peer that left or died shrinks the round's budget, which brings its end nearer
+        joined = [peer for peer in beacon.peers if now - self._paced_members.get(peer, -math.inf) > self.config.progress_ttl_s]
+        self._paced_members.update((peer, now) for peer in beacon.peers)
+        if joined:
+            self._fast_until = max(self._fast_until, now + _NEAR_PERIODS * idle)
+        if now < self._fast_until or self._averaging_in_flight:
+            return fast
+        return idle if self._seconds_to_round_end(beacon.own_record(), dict(beacon.peers)) > _NEAR_PERIODS * idle else fast
+
+    def _seconds_to_round_end(self, own: dict, peers: dict[str, dict]) -> float:
+        """When this peer's round ends, by the records: the soonest of the budgets (ours and those the others in
+        our round published, which may be smaller) less the round's tokens over the round's rate, and of the
+        round deadlines published. 0 when unknown (no budget published yet, nobody training) or when a peer is
+        already past our round. A hostile budget or deadline can only make this peer publish more often."""
+        try:
+            round_index, budget = int(own["round"]), int(own["round_budget"])
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return 0.0
+        now, tokens, rate, deadline = get_dht_time(), 0, 0.0, float("inf")
+        for record in [own, *peers.values()]:
+            if not _well_formed(record):
+                continue
+            their_round, their_rate = int(record.get("round", -1)), float(record.get("rate", 0.0))
+            if their_round > round_index:
+                return 0.0
+            if their_round == round_index:
+                tokens += _tokens_now(record, now, self._horizon_s(record))
+                rate += max(0.0, their_rate)
+                if record.get("round_budget"):
+                    budget = min(budget, int(record["round_budget"]))
+                if record.get("round_deadline"):
+                    deadline = min(deadline, float(record["round_deadline"]))
+        by_tokens = max(0, budget - tokens) / rate if rate > 0 else 0.0
+        return max(0.0, min(by_tokens, deadline - now))
 
     def average_alone(self, tensors: Sequence[torch.Tensor], weight: float) -> AveragingOutcome:
         # a group of one still goes through the codec, exactly as its own reducer would encode the result
@@ -587,9 +724,13 @@ def _tokens_now(record: dict, now: float, horizon_s: float) -> int:
     ``horizon_s``). Records are a period or two old; without this, short rounds overshoot their budget."""
     try:
         tokens, rate, age = int(record.get("round_tokens", 0)), float(record.get("rate", 0.0)), now - float(record.get("time", now))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return 0
-    return tokens + int(max(0.0, rate) * min(max(0.0, age), horizon_s))
+    tokens = max(0, tokens)
+    extra = max(0.0, rate) * min(max(0.0, age), horizon_s)
+    if not math.isfinite(extra):
+        return tokens  # a hostile or broken record (rate inf or 1e308: int() of it raised in the learner's loop)
+    return tokens + int(extra)
 
 
 def _parse_history(value: object) -> dict[int, tuple[str, ...]]:

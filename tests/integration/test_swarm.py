@@ -26,19 +26,23 @@ def _grouped(records: list[dict], size: int) -> bool:
     return any(r["status"] == "ok" and r["group_size"] >= size for r in records)
 
 
+def _three_founders_then_a_late_joiner(swarm, founders_s: int, late_s: int) -> dict[str, list[dict]]:
+    """Three peers train until they averaged as a group of 3, then a fourth joins until it averaged too; every
+    peer runs to its time limit and exits cleanly. Returns the records by peer."""
+    for index in range(3):
+        swarm.start(f"peer{index}", shard=index, num_shards=4, extra=["--max-time-s", str(founders_s)])
+    swarm.wait_until(lambda: all(_grouped(swarm.records(f"peer{i}"), 3) for i in range(3)), 100, "a group of 3")
+    swarm.start("late", shard=3, num_shards=4, extra=["--max-time-s", str(late_s)])
+    swarm.wait_until(lambda: _grouped(swarm.records("late"), 2), late_s, "the late peer's first averaged round")
+    swarm.wait_all_exited(150)
+    assert all(p.process.returncode == 0 for p in swarm.peers.values()), swarm.log_tails()
+    return swarm.all_records()
+
+
 @pytest.mark.timeout(420)
 def test_three_peers_agree_learn_and_admit_a_late_joiner(tmp_path, reaper):
     swarm = local_swarm(tmp_path, reaper)
-    for index in range(3):
-        swarm.start(f"peer{index}", shard=index, num_shards=4, extra=["--max-time-s", "150"])
-    swarm.wait_until(lambda: all(_grouped(swarm.records(f"peer{i}"), 3) for i in range(3)), 100, "a group of 3")
-
-    swarm.start("late", shard=3, num_shards=4, extra=["--max-time-s", "80"])
-    swarm.wait_until(lambda: _grouped(swarm.records("late"), 2), 80, "the late peer's first averaged round")
-    swarm.wait_all_exited(150)
-    assert all(p.process.returncode == 0 for p in swarm.peers.values()), swarm.log_tails()
-
-    records = swarm.all_records()
+    records = _three_founders_then_a_late_joiner(swarm, founders_s=150, late_s=80)
     # invariant 1: every outer step reported by several peers has exactly one sha256
     invariant = check_invariant_1(records)
     assert invariant["held"], invariant["forks"]
@@ -64,6 +68,35 @@ def test_three_peers_agree_learn_and_admit_a_late_joiner(tmp_path, reaper):
     assert joined_steps, "no founder ever averaged with the late peer"
     late_ok = [r for r in late_records if r["status"] == "ok"]
     assert late_ok and late_ok[0]["group_size"] >= 2 and late_ok[0]["weight"] > 0
+
+
+# a period of 0.5 s near a round's end and 2 s in between; rounds long enough for the idle pace to engage
+IDLE_PACE_FLAGS = ["--progress-period-s", "0.5", "--progress-idle-period-s", "2", "--inner-steps", "300"]
+
+
+@pytest.mark.timeout(420)
+def test_the_idle_pace_keeps_rounds_whole_and_admits_a_late_joiner(tmp_path, reaper):
+    # Progress records go every 2 s while a round's end is far and every 0.5 s near it: a joiner arriving while the
+    # others are on the idle pace must still be seen by all alike (a constant, slow period split groups and forked)
+    swarm = local_swarm(tmp_path, reaper, IDLE_PACE_FLAGS)
+    records = _three_founders_then_a_late_joiner(swarm, founders_s=120, late_s=75)
+    invariant = check_invariant_1(records)
+    assert invariant["held"], invariant["forks"]
+    for name, peer in swarm.peers.items():  # every peer went idle at least once: the pace was exercised
+        assert "(while a round's end is far)" in peer.log_file.read_text(errors="replace"), name
+    late_id = records["late"][0]["peer_id"]
+    founders_ok = [r for i in range(3) for r in records[f"peer{i}"] if r["status"] == "ok"]
+    assert any(late_id in r["peers"] and r["group_size"] == 4 for r in founders_ok), "no whole round with the joiner"
+    # rounds stayed whole: the founders' rounds after the first (peers start seconds apart, and whoever is there
+    # first averages step 0 without the last one) until the first founder began to stop, all ok
+    first_stop = min(max(r["time_s"] for r in records[f"peer{i}"]) for i in range(3)) - 5
+    rounds = [
+        r for i in range(3) for r in records[f"peer{i}"]
+        if r["status"] in ROUND_STATUSES and r["outer_step"] >= 1 and r["time_s"] < first_stop
+    ]
+    assert rounds and all(r["status"] == "ok" for r in rounds), [
+        (r["outer_step"], r["status"], r["reason"]) for r in rounds if r["status"] != "ok"
+    ]
 
 
 def test_sigkilled_peer_costs_one_timeout_and_survivors_go_on(tmp_path, reaper):

@@ -344,6 +344,9 @@ def test_round_is_over_when_the_swarm_tokens_reach_the_budget(make_config):
     learner._inner_step(alone)
     assert not learner._round_is_over(almost) and not learner._round_is_over(alone)
     assert learner._round_is_over(enough)
+    # the budget is published when it changes (the beacon paces its records by the round's end): 3 peers, then 1
+    assert enough.published == [{"round_budget": budget}] * 2 and almost.published == []  # only when it changed
+    assert alone.published[-1] == {"round_budget": H * BATCH_TOKENS}
     # others' tokens count only once this peer is in the round they report: the link is asked for our round
     learner._end_round(alone)
     assert learner.pending is not None

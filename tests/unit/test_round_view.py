@@ -14,6 +14,7 @@ from p2p_diloco.swarm import SwarmLink
 def _link(records: dict[str, dict], left_out: frozenset[str]) -> SwarmLink:
     link = SwarmLink.__new__(SwarmLink)  # no DHT: round_view reads only the beacon's records and the left-out set
     link.config = SwarmConfig()
+    link._period_now = link.config.progress_period_s
     link._beacon = SimpleNamespace(peers=records)
     link._left_out = left_out
     link._shunned, link._participants = frozenset(), frozenset()
@@ -91,3 +92,13 @@ def test_a_shunned_peer_is_not_live_but_its_progress_still_bounds_its_weight(mon
     assert set(link._read_progress()) == {"honest0", "honest1"} and set(link.live_peers()) == {"honest0", "honest1"}
     assert link._shunned == {"garbage"}
     assert link._ledger.allowed(3)["garbage"] == 1200.0
+
+
+def test_a_record_with_an_infinite_or_nan_rate_counts_its_tokens_and_breaks_nothing():
+    # int() of an infinite extrapolation raised OverflowError in round_view, which the training loop calls every step
+    records = {
+        "inf": dict(round=4, round_tokens=1000, rate=float("inf"), time=0.0),
+        "nan": dict(round=4, round_tokens=2000, rate=float("nan"), time=0.0),
+        "huge": dict(round=4, round_tokens=3000, rate=1e308, time=0.0),  # finite, but rate x age is not
+    }
+    assert _link(records, frozenset()).round_view(4) == RoundView(live_peers=3, tokens_by_others=6000, peers_ahead=0)
