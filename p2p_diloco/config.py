@@ -172,10 +172,10 @@ class SwarmConfig:
     chunk_timeout_s: float = 5.0  # a groupmate silent this long in an all-reduce is dropped from it
     state_timeout_s: float = 60.0  # bound on one state download from a peer
     progress_period_s: float = 1.0  # how often this peer publishes its progress and reads the others' (DHT) near
-    # a round's end, while averaging, at start and when peers join or leave; 5 s throughout sends ~4x less background
+    # a round's end, while averaging, at start and after a peer joined; 5 s throughout sends ~4x less background
     # traffic, but its staler views split groups more often when a peer joins late
     progress_idle_period_s: float = 0.0  # the same while nothing is near (the round's end is over 3 of these away
-    # and no peer came or went); 0 = the larger of 5 s and progress_period_s
+    # and no peer joined lately); 0 = the larger of 5 s and progress_period_s
     progress_ttl_s: float = 20.0  # a peer whose progress record is older than this counts as gone
     startup_timeout_s: float = 60.0  # bound on joining the DHT at start
     swarm_key_file: str | None = None  # secret shared by the members of a closed run; None = an open run

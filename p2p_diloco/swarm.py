@@ -103,10 +103,11 @@ async def _rejoin(dht: DHT, node: DHTNode, peer_ids: Sequence[str], bootstrap: S
 
 
 class ProgressBeacon:
-    """Every ``period_s``, from a daemon thread: publishes this peer's latest progress record in the DHT and
-    reads the other peers' records, so the training loop never waits on the DHT to know where the swarm is.
-    ``pace``, if given, is asked for the period again before each wait (``SwarmLink._pace``); every record says
+    """Every ``period_s``, from a daemon thread: reads the other peers' progress records and publishes this
+    peer's latest one in the DHT, so the training loop never waits on the DHT to know where the swarm is.
+    ``pace``, if given, is asked for the next period after each read (``SwarmLink._pace``); every record says
     the period it was published under (``period``), so that readers extrapolate it as far as it may be stale.
+    ``wake`` ends the current wait at once (a new round, a nearer end, an averaging that starts).
 
     When the read finds nobody else although peers were seen before (or initial peers were given), the beacon
     pings them (``_rejoin``), at most once per ``rejoin_every_s``: a DHT that lost its routing table reconnects.
