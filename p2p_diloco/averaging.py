@@ -388,8 +388,21 @@ def _wait_for_step(control: Any, should_abort: Callable[[], bool] | None, poll_s
         if should_abort is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP and should_abort():
             # if a group formed between the check and the cancel, its all-reduce still runs and the others may
             # apply our outer gradient while we report "stale": the learner's round history settles that case
-            control.cancel()
+            cancel_search(control)
             raise _Abandoned()
+
+
+def cancel_search(control: Any) -> None:
+    """Cancel a background ``averager.step`` so that the averager process sees it cancelled.
+
+    hivemind's ``StepControl.cancel()`` first wakes the averager (its cancel future) and only then marks the step
+    cancelled in shared memory. An averager woken in between reads the step as not cancelled and searches on
+    with it until the step's deadline (``averaging_timeout_s``): the next outer steps' searches wait behind it
+    ("Another look_for_group is already in progress"), and once the group key moved on, its requests carry the
+    old step and are refused. A late joiner whose first search was cancelled that way missed every group for
+    48 s while the others waited out the matchmaking time for it each round. So: mark first, then wake."""
+    MPFuture.cancel(control)  # the shared state the averager reads (we are the step's origin process)
+    control.cancel()  # the trigger and the cancel future; the state is already cancelled
 
 
 def run_averaging(

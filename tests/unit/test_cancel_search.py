@@ -1,0 +1,60 @@
+"""Abandoning a search for a group (averaging.py): the averager process must find the step cancelled when it is
+woken, or it searches on with the old step until the step's deadline and blocks the next outer steps' searches."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.utils.mpfuture import MPFuture
+
+from p2p_diloco.averaging import _Abandoned, _wait_for_step, cancel_search
+
+
+def _step_seen_by_the_averager() -> tuple[StepControl, list[bool]]:
+    """A step as ``averager.step(wait=False)`` returns it; the list gets, at the moment the averager would be woken
+    (its cancel future resolved), whether the step reads as cancelled (the averager's next check)."""
+    trigger, cancel = MPFuture(), MPFuture()  # first: hivemind's futures backend starts with a plain MPFuture
+    now = time.time()
+    control = StepControl(scheduled_time=now + 1, deadline=now + 30, allow_retries=False, weight=1.0, data_for_gather=b"")
+    control.attach(trigger, cancel)
+    seen: list[bool] = []
+    wake = cancel.set_result
+
+    def set_result(result: object) -> None:
+        seen.append(control.cancelled())
+        wake(result)
+
+    cancel.set_result = set_result
+    return control, seen
+
+
+def test_the_step_reads_as_cancelled_when_the_averager_wakes():
+    control, seen = _step_seen_by_the_averager()
+    cancel_search(control)
+    # hivemind's own control.cancel() resolves the cancel future first: seen would be [False]
+    assert seen == [True]
+    assert control.cancelled() and control._cancel.done()
+
+
+def test_an_abandoned_search_cancels_its_step_that_way():
+    control, seen = _step_seen_by_the_averager()
+    control.stage = AveragingStage.LOOKING_FOR_GROUP
+    with pytest.raises(_Abandoned):
+        _wait_for_step(control, should_abort=lambda: True, poll_s=0.01)
+    assert seen == [True] and control.cancelled()
+
+
+def test_a_search_is_not_cancelled_once_its_all_reduce_began():
+    control, seen = _step_seen_by_the_averager()
+    control.stage = AveragingStage.RUNNING_ALLREDUCE
+    asked = []
+    finish = threading.Timer(0.2, MPFuture.set_result, args=(control, {"peer": b""}))  # the all-reduce's result
+    finish.start()
+    try:
+        assert _wait_for_step(control, should_abort=lambda: asked.append(1) or True, poll_s=0.01) == {"peer": b""}
+    finally:
+        finish.join()
+    assert asked == [] and seen == [] and not control.cancelled()
