@@ -386,8 +386,9 @@ def _wait_for_step(control: Any, should_abort: Callable[[], bool] | None, poll_s
         except TimeoutError:
             pass
         if should_abort is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP and should_abort():
-            # if a group formed between the check and the cancel, its all-reduce still runs and the others may
-            # apply our outer gradient while we report "stale": the learner's round history settles that case
+            # if a group formed between the check and the cancel, the averager either runs its all-reduce (the
+            # others may apply our outer gradient while we report "stale": the learner's round history settles
+            # that) or drops the group (the others' round fails or is partial, and they catch up)
             cancel_search(control)
             raise _Abandoned()
 
@@ -399,8 +400,8 @@ def cancel_search(control: Any) -> None:
     cancelled in shared memory. An averager woken in between reads the step as not cancelled and searches on
     with it until the step's deadline (``averaging_timeout_s``): the next outer steps' searches wait behind it
     ("Another look_for_group is already in progress"), and once the group key moved on, its requests carry the
-    old step and are refused. A late joiner whose first search was cancelled that way missed every group for
-    48 s while the others waited out the matchmaking time for it each round. So: mark first, then wake."""
+    old step and are refused. A reproduction's debug logs showed a cancelled search still sending requests 2.5 s
+    after the cancel; in CI a late joiner went stale 11 rounds in a row, most likely that way. Mark, then wake."""
     MPFuture.cancel(control)  # the shared state the averager reads (we are the step's origin process)
     control.cancel()  # the trigger and the cancel future; the state is already cancelled
 
