@@ -11,7 +11,10 @@ from p2p_diloco.dht_traffic import main
     ("flags", "message"),
     [
         (["--members", "1"], "--members must be 2 to 16, got 1"),
-        (["--period-s", "0"], "--period-s and --measure-s must be > 0"),
+        (["--period-s", "0"], "--period-s, --measure-s and --bandwidth-mbit must be > 0"),
+        (["--measure-s", "nan"], "--period-s, --measure-s and --bandwidth-mbit must be > 0"),
+        (["--bandwidth-mbit", "-3"], "--period-s, --measure-s and --bandwidth-mbit must be > 0"),
+        (["--settle-s", "inf"], "--settle-s must be 0 to 3600"),
         (["--cases", "gossip"], "invalid choice: 'gossip'"),
     ],
 )
@@ -22,3 +25,13 @@ def test_bad_settings_are_refused_in_one_line(tmp_path, capsys, flags, message):
     error = capsys.readouterr().err.strip()
     assert message in error and len(error.splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_is_a_file_is_refused_and_kept(tmp_path, capsys):
+    existing = tmp_path / "results"
+    existing.write_text("earlier results")
+    with pytest.raises(SystemExit) as exited:
+        main(["--out", str(existing)])
+    assert exited.value.code == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert existing.read_text() == "earlier results"
