@@ -7,6 +7,7 @@ non-zero exit, never a traceback. Everything the peer prints a person reads is p
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -216,6 +217,9 @@ def peer_main(argv: list[str] | None = None, prog: str = "p2p-diloco peer") -> i
     except ValueError as e:
         return _fail(prog, str(e))
     _configure_logging(args.log_level)
+    # a native crash (torch, gloo, bitsandbytes) prints every thread's Python stack before the process dies:
+    # the one clue a volunteer's log or a CI run keeps of where it happened
+    faulthandler.enable()
     return _run_peer(config, prog)
 
 
@@ -299,14 +303,22 @@ def _follow(config: PeerConfig, island: Island, prog: str) -> int:
     try:
         dataset, metrics = open_process_inputs(config, island)
         Learner(config, dataset, metrics, stop, island).follow()
+        code = 0
     except (ValueError, OSError) as e:
-        return _fail(prog, f"island rank {island.rank}: {e}")
+        code = _fail(prog, f"island rank {island.rank}: {e}")
     except Exception as e:  # rank 0 went away (its socket closed) or a collective timed out: the island is over
-        return _fail(prog, f"island rank {island.rank} stopped: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}", code=1)
+        code = _fail(prog, f"island rank {island.rank} stopped: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}", code=1)
     finally:
         island.close()
-    print(f"island rank {island.rank} stopped", flush=True)
-    return 0
+    if code == 0:
+        print(f"island rank {island.rank} stopped", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # as rank 0 does: nothing is left to save, and the interpreter's teardown would run torch's C++ destructors
+    # (the DDP reducer, the process group's threads) for nothing. Once in CI a rank died of SIGABRT as the island
+    # ended, where exactly is not known (the log kept no stack: faulthandler now prints one); this removes the
+    # teardown from the places it could have been
+    os._exit(code)
 
 
 def _run_peer(config: PeerConfig, prog: str) -> int:
