@@ -21,6 +21,7 @@ from p2p_diloco.config import (
     ADVERSARIES,
     COMPRESSIONS,
     ISLAND_SHARDINGS,
+    PROGRESS_TRANSPORTS,
     REACHABILITY,
     PeerConfig,
     build_config,
@@ -83,6 +84,7 @@ _FLAG_FIELDS = {
     "monitor_host": ("run", "monitor_host"),
     "progress_period_s": ("swarm", "progress_period_s"),
     "progress_idle_period_s": ("swarm", "progress_idle_period_s"),
+    "progress_transport": ("swarm", "progress_transport"),
     "swarm_key_file": ("swarm", "swarm_key_file"),
     "allow_list": ("swarm", "allow_list_file"),
     "adversary": ("swarm", "adversary"),
@@ -115,6 +117,7 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     swarm.add_argument("--state-timeout-s", type=float, default=s, help=f"seconds allowed for downloading the swarm's state (default {d.swarm.state_timeout_s})")
     swarm.add_argument("--progress-period-s", type=float, default=s, help=f"seconds between this peer's progress records in the DHT near a round's end, while averaging, at start and after a peer joined; shorter tracks round ends more closely at more background traffic (default {d.swarm.progress_period_s})")
     swarm.add_argument("--progress-idle-period-s", type=float, default=s, help="the same while the round's end is more than 3 of these away and no peer joined lately; equal to --progress-period-s for a constant period (default: the larger of 5 s and --progress-period-s)")
+    swarm.add_argument("--progress-transport", choices=PROGRESS_TRANSPORTS, default=s, help=f"how progress records travel: dht (a DHT store and read every period) or push (opt-in: straight to the peers this one knows, read from what they pushed; a DHT store and read every 10th period find peers not yet known; about a third of the bytes in a swarm of 4); a client-mode peer takes no pushes: it reads from the DHT (default {d.swarm.progress_transport})")
     swarm.add_argument("--swarm-key-file", default=s, metavar="PATH", help="close the run: a file with a secret (>= 16 bytes) that every member holds; only members can store DHT records, average or download state (default: an open run)")
     swarm.add_argument("--allow-list", default=s, metavar="PATH", help="close the run to the public keys listed in this file (one per line, as --show-identity prints them); only listed peers can store DHT records, average or download state; needs --identity")
     swarm.add_argument("--reachability", choices=REACHABILITY, default=s, help="how this peer takes part: direct (others can dial it), relay (behind a NAT or firewall: reachable through a relay peer), client (dial out only: sends its outer gradient and receives the average, reduces no part); auto asks an initial peer to dial back: direct if it gets through, else client (default auto)")
@@ -219,7 +222,10 @@ def peer_main(argv: list[str] | None = None, prog: str = "p2p-diloco peer") -> i
     _configure_logging(args.log_level)
     # a native crash (torch, gloo, bitsandbytes) prints every thread's Python stack before the process dies:
     # the one clue a volunteer's log or a CI run keeps of where it happened
-    faulthandler.enable()
+    try:
+        faulthandler.enable(file=sys.__stderr__)
+    except (AttributeError, OSError, ValueError):  # no stderr with a file descriptor (a test capturing it)
+        pass
     return _run_peer(config, prog)
 
 

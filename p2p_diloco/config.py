@@ -16,6 +16,7 @@ from typing import Any
 
 COMPRESSIONS = ("none", "fp16", "int8", "int4")
 REACHABILITY = ("auto", "direct", "relay", "client")  # how a peer takes part; see p2p_diloco/reachability.py
+PROGRESS_TRANSPORTS = ("push", "dht")  # how progress records travel; see ProgressBeacon in p2p_diloco/swarm.py
 # test-only misbehaviours of a peer (scripts/attack.py, tests/integration/test_robust.py); "" = honest
 ADVERSARIES = ("", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor")
 ISLAND_SHARDINGS = ("ddp", "fsdp")  # how the ranks of a torchrun island hold the model; see p2p_diloco/island.py
@@ -177,6 +178,10 @@ class SwarmConfig:
     progress_idle_period_s: float = 0.0  # the same while nothing is near (the round's end is over 3 of these away
     # and no peer joined lately); 0 = the larger of 5 s and progress_period_s
     progress_ttl_s: float = 20.0  # a peer whose progress record is older than this counts as gone
+    # dht: a DHT store and read each period (a store searches first, and each node asked answers with every record);
+    # push (opt-in): each record straight to the peers this one knows, the others' read from what they pushed (a DHT
+    # store and read every 10th period, to find peers not yet known): about a third of the bytes in a swarm of 4
+    progress_transport: str = "dht"
     startup_timeout_s: float = 60.0  # bound on joining the DHT at start
     swarm_key_file: str | None = None  # secret shared by the members of a closed run; None = an open run
     allow_list_file: str | None = None  # the members' public keys, one per line: closes the run without a shared secret
@@ -225,6 +230,10 @@ class SwarmConfig:
         _require(
             self.progress_ttl_s >= 3 * self.idle_period_s,
             "swarm.progress_ttl_s must be at least 3x swarm.progress_idle_period_s",
+        )
+        _require(
+            self.progress_transport in PROGRESS_TRANSPORTS,
+            f"swarm.progress_transport must be one of {', '.join(PROGRESS_TRANSPORTS)}, got {_show(self.progress_transport)}",
         )
         _require(
             self.reachability in REACHABILITY,

@@ -6,7 +6,10 @@ Idle members (no training, no averaging) run one case at a time and the kernel c
 - ``store``: plus one store of a progress record (a training peer's shape) every period;
 - ``read``: plus one read of all records every period, as the beacon reads them (``latest=True``);
 - ``read-local``: the same read with ``latest=False`` (a node that holds a replica answers from its own storage);
-- ``beacon``: plus the progress beacon itself (read, then publish) at that period.
+- ``beacon``: plus the progress beacon itself (read, then publish) at that period, with ``--progress-transport dht``;
+- ``push``: plus one push of a progress record to every member this one knows, every period (no search, no read);
+- ``beacon-push``: the beacon as a peer runs it with ``--progress-transport push``: records pushed, read
+  locally, a DHT store and a DHT read every 10th period.
 
     sudo .venv/bin/python scripts/dht_traffic.py --out runs/dht-traffic [--members 4] [--period-s 1 5]
 
@@ -27,9 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
-CASES = ("dht", "store", "read", "read-local", "beacon")
+CASES = ("dht", "store", "read", "read-local", "beacon", "push", "beacon-push")
 _KEY = "traffic_progress"
 _READY_TIMEOUT_S = 90.0  # a member's DHT start-up, bootstrap retries included
 
@@ -41,7 +45,7 @@ def member(host: str, case: str, period_s: float, lifetime_s: float, address_fil
 
     from p2p_diloco.config import SwarmConfig
     from p2p_diloco.joining import start_dht
-    from p2p_diloco.swarm import ProgressBeacon, read_progress
+    from p2p_diloco.swarm import ProgressBeacon, ProgressReader, _push_record
 
     end = time.monotonic() + lifetime_s
     dht = beacon = None
@@ -60,8 +64,13 @@ def member(host: str, case: str, period_s: float, lifetime_s: float, address_fil
         def store() -> None:
             dht.store(_KEY, subkey=subkey, value=record, expiration_time=get_dht_time() + 600, return_future=True).result(10)
 
-        if case == "beacon":
-            beacon = ProgressBeacon(dht, _KEY, period_s, 3 * period_s + 5, lambda: read_progress(dht, _KEY))
+        def push() -> None:
+            dht.run_coroutine(partial(_push_record, key=_KEY, subkey=subkey, value=record,
+                                      expiration_time=get_dht_time() + 600))
+
+        if case in ("beacon", "beacon-push"):
+            pushing = case == "beacon-push"
+            beacon = ProgressBeacon(dht, _KEY, period_s, 3 * period_s + 5, ProgressReader(dht, _KEY, pushing), push=pushing)
             beacon.update(**record)
         elif case != "dht":
             store()
@@ -71,6 +80,8 @@ def member(host: str, case: str, period_s: float, lifetime_s: float, address_fil
             try:
                 if case == "store":
                     store()
+                elif case == "push":
+                    push()
                 elif case in ("read", "read-local"):
                     dht.get(_KEY, latest=case == "read", return_future=True).result(10)
             except Exception as e:  # a slow answer is part of what is measured, not a reason to stop

@@ -1,8 +1,9 @@
 """The swarm as one peer sees it: a hivemind DHT, progress records, averaging and state download.
 
 ``SwarmLink`` is what the learner talks to. It owns the DHT and the averager, publishes this peer's
-progress (outer step, global params' sha256, tokens) under the run's DHT key from a background thread,
-reads the others', averages outer gradients with the peers at the same outer step, and downloads and
+progress (outer step, global params' sha256, tokens) under the run's DHT key from a background thread (pushed
+straight to the peers it knows with ``--progress-transport push``: ``ProgressBeacon``, ``ProgressReader``), reads
+the others', averages outer gradients with the peers at the same outer step, and downloads and
 verifies state from a peer that is ahead. It does not train, and it holds no policy about what a failed
 round means: it reports what happened.
 """
@@ -14,6 +15,7 @@ import dataclasses
 import logging
 import math
 import os
+import random
 import signal
 import threading
 import time
@@ -26,6 +28,8 @@ from typing import Any
 import torch
 from hivemind import DHT
 from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
@@ -43,17 +47,32 @@ from p2p_diloco.robust import TokenLedger, banned_by_majority
 logger = logging.getLogger(__name__)
 _DHT_TIMEOUT_S = 10.0
 _NEAR_PERIODS = 3  # within this many idle periods of a round's end (or of a change), progress records go fast
+# with the push transport, every this many periods a record also goes the DHT's way and a read asks the DHT: peers
+# not yet known (and those that know nobody who knows us) show up, and the key's nearest nodes, which a client-mode
+# peer reads from, hold every record
+_DHT_EVERY = 10
+_PUSH_LIMIT = 64  # a record is pushed to at most this many known peers (the nearest to the key first)
+_INTRODUCE_LIMIT = 8  # peers pinged per DHT read at most (chosen at random: anyone can write records under any id)
+_INTRODUCE_AGAIN_S = 60.0  # a peer pinged is not pinged again for this long
 
 
-def read_progress(dht: DHT, key: str, timeout_s: float = _DHT_TIMEOUT_S) -> dict[str, dict]:
+def read_progress(dht: DHT, key: str, timeout_s: float = _DHT_TIMEOUT_S, local: bool = False) -> dict[str, dict]:
     """The unexpired progress records under ``key`` of peers that have not said they left (a record with
-    ``left``), by peer id; raises on a DHT failure or after ``timeout_s``."""
-    found = dht.get(key, latest=True, return_future=True).result(timeout=timeout_s)
+    ``left``), by peer id; raises on a DHT failure or after ``timeout_s``. ``local``: what this node holds (its
+    own record and those stored or pushed to it), with no request on the network once it has published one."""
+    return {peer: record for peer, (record, _) in read_progress_items(dht, key, timeout_s, local).items()}
+
+
+def read_progress_items(
+    dht: DHT, key: str, timeout_s: float = _DHT_TIMEOUT_S, local: bool = False
+) -> dict[str, tuple[dict, float]]:
+    """``read_progress``, each record with its expiration time (DHT time)."""
+    found = dht.get(key, latest=not local, return_future=True).result(timeout=timeout_s)
     peers = {}
     if found is not None and isinstance(found.value, dict):
         for peer, item in found.value.items():
             if isinstance(item, ValueWithExpiration) and _well_formed(item.value) and not item.value.get("left"):
-                peers[str(peer)] = item.value
+                peers[str(peer)] = (item.value, float(item.expiration_time))
     return peers
 
 
@@ -71,6 +90,48 @@ def _well_formed(record: object) -> bool:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)):
             return False
     return True
+
+
+async def _push_record(dht: DHT, node: DHTNode, key: str, subkey: str, value: dict, expiration_time: float) -> int:
+    """Store a progress record in this node's storage and send it straight to the peers in its routing table, one
+    store request each (at most ``_PUSH_LIMIT``, the nearest to the key first); the number of peers that took it.
+    Runs in the DHT's process (``run_coroutine``).
+
+    What a DHT store does, less its search: hivemind's ``store`` first asks the nearest nodes for the key, and each
+    answers with the whole dictionary of records (every peer's, signed) and a list of its neighbours; then it stores.
+    Each receiver checks the record as a DHT store (the run's validators: signature, membership) and keeps it in its
+    storage, where a local read finds it."""
+    protocol = node.protocol
+    key_id = DHTID.generate(source=key)
+    value_bytes = protocol.serializer.dumps(value)
+    record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), value_bytes, expiration_time)
+    if protocol.record_validator is not None:
+        value_bytes = protocol.record_validator.sign_value(record)
+        record = dataclasses.replace(record, value=value_bytes)
+        if not protocol.record_validator.validate(record):
+            return 0
+    protocol.storage.store(key_id, value_bytes, expiration_time, subkey=subkey)
+    peers = [peer for _, peer in protocol.routing_table.get_nearest_neighbors(key_id, _PUSH_LIMIT, exclude=node.node_id)]
+    # each request is bounded by the DHT's own timeout, and a peer that does not answer is marked as such in the
+    # routing table (a dead one leaves it), as after any DHT request
+    stores = (protocol.call_store(peer, [key_id], [value_bytes], [expiration_time], subkeys=[subkey]) for peer in peers)
+    answers = await asyncio.gather(*stores, return_exceptions=True)
+    # an answer: store_ok per record (protobuf's repeated field), or None if the peer did not answer
+    return sum(answer is not None and not isinstance(answer, BaseException) and all(answer) for answer in answers)
+
+
+async def _introduce(dht: DHT, node: DHTNode, peer_ids: Sequence[str]) -> int:
+    """Ping each peer (a validated ping: the callee adds us to its routing table once it has reached us in turn, and
+    we add it once it answers); the number that answered. Runs in the DHT's process (``run_coroutine``)."""
+    peers = []
+    for name in peer_ids:
+        try:
+            peers.append(PeerID.from_base58(name))
+        except Exception:  # a record under a subkey that is no peer id
+            continue
+    pings = (node.protocol.call_ping(peer, validate=True, strict=False) for peer in peers)
+    answers = await asyncio.gather(*pings, return_exceptions=True)
+    return sum(answer is not None and not isinstance(answer, BaseException) for answer in answers)
 
 
 async def _rejoin(dht: DHT, node: DHTNode, peer_ids: Sequence[str], bootstrap: Sequence[str], timeout_s: float) -> int:
@@ -111,6 +172,9 @@ class ProgressBeacon:
 
     When the read finds nobody else although peers were seen before (or initial peers were given), the beacon
     pings them (``_rejoin``), at most once per ``rejoin_every_s``: a DHT that lost its routing table reconnects.
+
+    ``push``: a record goes straight to the peers this node knows (``_push_record``), and every ``_DHT_EVERY``-th
+    one (the first included) with a DHT store; otherwise every record is a DHT store.
     """
 
     def __init__(
@@ -122,8 +186,11 @@ class ProgressBeacon:
         read_peers: Callable[[], dict[str, dict]],
         bootstrap: Sequence[str] = (),
         pace: Callable[[], float] | None = None,
+        push: bool = False,
     ):
         self._dht, self._key, self._period_s, self._ttl_s = dht, key, period_s, ttl_s
+        self._push, self._published = push, 0
+        self._last_dht_store = -math.inf  # monotonic
         self._read_peers, self._pace = read_peers, pace
         self.peers: dict[str, dict] = {}  # the other peers' records as of the last period (read by the learner)
         self._bootstrap = list(bootstrap)
@@ -147,17 +214,24 @@ class ProgressBeacon:
         with self._lock:
             return dict(self._record)
 
-    def publish_now(self) -> Future | None:
+    def publish_now(self, dht_store: bool = False) -> Future | None:
+        """Publish this peer's record now: pushed, or stored in the DHT (``dht_store``, no ``push``, every
+        ``_DHT_EVERY``-th time, and often enough that the key's nearest nodes always hold an unexpired copy).
+        The future says how many peers took it (push) or whether the store went."""
         record = self.own_record()
         if not record:
             return None
-        return self._dht.store(
-            self._key,
-            subkey=self._dht.peer_id.to_base58(),
-            value=record,
-            expiration_time=get_dht_time() + self._ttl_s,
-            return_future=True,
-        )
+        self._published += 1
+        due = (self._published - 1) % _DHT_EVERY == 0 or time.monotonic() - self._last_dht_store >= 0.75 * self._ttl_s
+        return self._send(record, dht_store or not self._push or due)
+
+    def _send(self, record: dict, dht_store: bool) -> Future:
+        subkey, expiration_time = self._dht.peer_id.to_base58(), get_dht_time() + self._ttl_s
+        if dht_store:
+            self._last_dht_store = time.monotonic()
+            return self._dht.store(self._key, subkey=subkey, value=record, expiration_time=expiration_time, return_future=True)
+        push = partial(_push_record, key=self._key, subkey=subkey, value=record, expiration_time=expiration_time)
+        return self._dht.run_coroutine(push, return_future=True)
 
     def wake(self) -> None:
         """Publish and read now rather than at the end of the current wait (which may be an idle period)."""
@@ -228,12 +302,77 @@ class ProgressBeacon:
         a round's budget, a group's expected size, the peers a finishing peer waits for), not when it expires."""
         self.close()
         self.update(left=True, time=get_dht_time())
-        try:
-            future = self.publish_now()
-            if future is not None:
-                future.result(timeout=2.0)
+        deadline = time.monotonic() + 2.0
+        try:  # both ways at once: the peers this one knows (first: most read only what reached them) and the
+            # key's nearest nodes (read by clients and joiners); 2 s for both
+            record = self.own_record()
+            futures = [*([self._send(record, dht_store=False)] if self._push else []), self._send(record, dht_store=True)]
         except Exception as e:  # leaving anyway: the record expires by itself
             logger.debug("could not publish the departure: %r", e)
+            return
+        for future in futures:
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as e:
+                logger.debug("could not publish the departure: %r", e)
+
+
+class ProgressReader:
+    """Reads the other peers' progress records (``read_progress``, this node's own left out).
+
+    With ``push``: the records pushed to this node, read locally. A read asks the DHT instead every
+    ``_DHT_EVERY``-th time, and whenever the local read finds nobody else or lacks a peer the last read had (one
+    that did not say it left: pushes between it and us may have stopped, the DHT's other nodes may still hold it).
+    A peer found in the DHT whose record was not renewed here since the last DHT read does not push to us (it does
+    not know us: a joiner, a routing table that dropped us, a swarm too large for every table to hold everyone):
+    it gets a ping, which puts each in the other's routing table, so that its records reach us and ours reach it.
+
+    A DHT read also leaves what it found in this node's storage (hivemind merges the answers into the stored
+    dictionary), so renewals are counted only between two local reads."""
+
+    def __init__(self, dht: DHT, key: str, push: bool):
+        self._dht, self._key, self._push = dht, key, push
+        self._own = dht.peer_id.to_base58()
+        self._local_reads = 0  # local reads since the last DHT read (two threads read: a miscount is harmless)
+        self._seen: frozenset[str] = frozenset()  # the peers the last read returned
+        self._expirations: dict[str, float] = {}  # each peer's record's expiration at the last local read
+        self._renewed: set[str] = set()  # peers whose record was renewed here between local reads since the last DHT read
+        self._introduced: dict[str, float] = {}  # peer -> when (monotonic) it was last pinged
+        self.introductions = 0  # peers pinged because they did not push to us
+
+    def __call__(self) -> dict[str, dict]:
+        if self._push and self._local_reads < _DHT_EVERY - 1:
+            items = read_progress_items(self._dht, self._key, local=True)
+            items.pop(self._own, None)
+            self._local_reads += 1
+            for peer, (_, expiration) in items.items():
+                if expiration > self._expirations.get(peer, math.inf):
+                    self._renewed.add(peer)
+            self._expirations = {peer: expiration for peer, (_, expiration) in items.items()}
+            if items and self._seen <= items.keys():
+                self._seen = frozenset(items)
+                return {peer: record for peer, (record, _) in items.items()}
+        self._local_reads = 0
+        items = read_progress_items(self._dht, self._key)
+        items.pop(self._own, None)
+        if self._push:
+            self._introduce(items)
+            self._renewed, self._expirations = set(), {}
+        self._seen = frozenset(items)
+        return {peer: record for peer, (record, _) in items.items()}
+
+    def _introduce(self, items: dict[str, tuple[dict, float]]) -> None:
+        # a client-mode peer can't be dialled; anyone can write a record under any id: a few at random, not again soon
+        now = time.monotonic()
+        self._introduced = {peer: at for peer, at in self._introduced.items() if now - at < _INTRODUCE_AGAIN_S}
+        strangers = [peer for peer, (record, _) in items.items()
+                     if peer not in self._renewed and peer not in self._introduced and not record.get("client")]
+        if not strangers:
+            return
+        chosen = random.sample(strangers, min(len(strangers), _INTRODUCE_LIMIT))
+        self._introduced.update(dict.fromkeys(chosen, now))
+        self.introductions += len(chosen)
+        self._dht.run_coroutine(partial(_introduce, peer_ids=chosen), return_future=True)
 
 
 def _log_rejoin(future: Future) -> None:
@@ -287,6 +426,10 @@ class SwarmLink:
         self._paced_members: dict[str, float] = {}  # peer id -> when (monotonic) the beacon last saw its record
         self._averaging_in_flight = False
         self._period_now = config.progress_period_s  # the beacon's current period
+        # progress records pushed to the peers we know, each read where it landed; a client-mode peer takes no
+        # pushes (nobody can dial it): it reads from the DHT
+        self._push = config.progress_transport == "push"  # a client-mode peer pushes too: it can dial the others
+        self._reader = ProgressReader(self.dht, self._progress_key, self._push and not client)
         previous_sigint = signal.getsignal(signal.SIGINT)
         try:
             self._averager = GuardedAverager(
@@ -316,6 +459,7 @@ class SwarmLink:
                 self._read_progress,
                 bootstrap=config.initial_peers,
                 pace=self._pace,
+                push=self._push,
             )
             if client:
                 self._beacon.update(client=True)  # others know this peer can't reduce: see average()
@@ -382,12 +526,10 @@ class SwarmLink:
         """The other peers' unexpired progress records, banned peers' included; the beacon's last read if the DHT
         does not answer."""
         try:  # bounded: a DHT process that died (or a p2pd that did) must not hang the training loop
-            peers = read_progress(self.dht, self._progress_key)
+            return self._reader()
         except Exception as e:
             logger.debug("reading progress records failed: %r", e)
             return dict(self._beacon.peers) if self._beacon is not None else {}
-        peers.pop(self.peer_id, None)
-        return peers
 
     def _unbanned(self, peers: dict[str, dict]) -> dict[str, dict]:
         # banned peers can't join our groups: waiting for them would stall every round

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.link import RoundView
 from p2p_diloco.robust import TokenLedger, banned_by_majority
-from p2p_diloco.swarm import SwarmLink
+from p2p_diloco.swarm import ProgressReader, SwarmLink
 
 
 def _link(records: dict[str, dict], left_out: frozenset[str]) -> SwarmLink:
@@ -42,9 +42,10 @@ def test_a_banned_peers_progress_bounds_its_weight_though_it_is_not_live(monkeyp
         "honest": dict(round=7, round_tokens=1000, rate=0.0),
         "banned": dict(round=7, round_tokens=1200, rate=0.0),  # a groupmate that has not banned it may let it in
     }
-    monkeypatch.setattr("p2p_diloco.swarm.read_progress", lambda dht, key: {k: dict(v) for k, v in records.items()})
+    monkeypatch.setattr("p2p_diloco.swarm.read_progress_items", lambda dht, key, **_: {k: (dict(v), 1e12) for k, v in records.items()})
     link = _link({}, frozenset())
     link.dht, link._progress_key, link.peer_id = None, "run.progress", "me"
+    link._reader = ProgressReader(SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me")), "run.progress", push=False)
     link._banned, link._ledger = frozenset({"banned"}), TokenLedger()
     assert set(link._read_progress()) == {"honest"} and set(link.live_peers()) == {"honest"}
     assert link._ledger.allowed(7) == {"honest": 1000.0, "banned": 1200.0}
@@ -83,9 +84,10 @@ def test_a_shunned_peer_is_not_live_but_its_progress_still_bounds_its_weight(mon
         "honest1": dict(round=3, round_tokens=1100, rate=0.0, banned=["garbage"]),
         "garbage": dict(round=3, round_tokens=1200, rate=0.0),
     }
-    monkeypatch.setattr("p2p_diloco.swarm.read_progress", lambda dht, key: {k: dict(v) for k, v in records.items()})
+    monkeypatch.setattr("p2p_diloco.swarm.read_progress_items", lambda dht, key, **_: {k: (dict(v), 1e12) for k, v in records.items()})
     link = _link({}, frozenset())
     link.dht, link._progress_key, link.peer_id = None, "run.progress", "me"
+    link._reader = ProgressReader(SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me")), "run.progress", push=False)
     link._banned, link._ledger, link._participants = frozenset(), TokenLedger(), frozenset()
     assert set(link._read_progress()) == {"honest0", "honest1", "garbage"}  # no voter known to have averaged yet
     link._participants = frozenset({"honest0", "honest1", "garbage"})  # e.g. from a downloaded state's history
