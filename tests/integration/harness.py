@@ -34,3 +34,13 @@ def wait_for_log(path: Path, pattern: str, offset: int, timeout_s: float) -> Non
             return
         time.sleep(0.05)
     raise AssertionError(f"no {pattern!r} in {path} within {timeout_s} s")
+
+
+def eventually(condition, timeout_s: float, poll_s: float = 0.2) -> bool:
+    """Whether ``condition()`` came true within ``timeout_s``, asked every ``poll_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll_s)
+    return False

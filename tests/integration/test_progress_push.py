@@ -18,6 +18,8 @@ from p2p_diloco.joining import start_dht
 from p2p_diloco.membership import RunMembership
 from p2p_diloco.swarm import ProgressBeacon, _introduce, _push_record, read_progress
 
+from .harness import eventually
+
 pytestmark = pytest.mark.integration
 _KEY = "push-test.progress"
 
@@ -42,15 +44,6 @@ def _push(dht: DHT, value: dict) -> int:
     push = partial(_push_record, key=_KEY, subkey=dht.peer_id.to_base58(), value=value,
                    expiration_time=get_dht_time() + 30.0)
     return dht.run_coroutine(push)
-
-
-def _wait(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 async def _known_peers(dht: DHT, node) -> int:
@@ -78,7 +71,7 @@ def swarms():
 def test_a_push_reaches_every_known_peer_and_a_local_read_there_finds_it(swarms):
     swarms += _swarm(3, [None, None, None])
     first, *others = swarms
-    assert _wait(lambda: first.run_coroutine(_known_peers) == 2, 15), "the first DHT did not come to know both others"
+    assert eventually(lambda: first.run_coroutine(_known_peers) == 2, 15), "the first DHT did not come to know both others"
     assert not any(_holds(dht, first) for dht in others)
     assert _push(first, {"outer_step": 7, "round": 3}) == 2
     name = first.peer_id.to_base58()
@@ -98,7 +91,7 @@ def test_in_a_closed_run_a_non_members_push_is_refused(swarms, tmp_path):
     swarms += _swarm(3, [member_key, member_key, other_key])
     first, second, outsider = swarms
     for dht in swarms:
-        assert _wait(lambda dht=dht: dht.run_coroutine(_known_peers) == 2, 15), "the three DHTs did not all meet"
+        assert eventually(lambda dht=dht: dht.run_coroutine(_known_peers) == 2, 15), "the three DHTs did not all meet"
     assert _push(outsider, {"outer_step": 99}) == 0  # each member's validator refuses it
     assert not _holds(first, outsider) and not _holds(second, outsider) and _holds(outsider, outsider)
     assert _push(second, {"outer_step": 5}) == 1  # the first member takes it; the outsider refuses it
@@ -118,11 +111,11 @@ def test_beacons_that_push_give_every_peer_every_record(swarms, monkeypatch):
             beacon.update(outer_step=index)
             beacons.append(beacon)
         names = {dht.peer_id.to_base58() for dht in swarms}
-        assert _wait(lambda: all(set(read_progress(dht, _KEY, local=True)) == names for dht in swarms), 15)
+        assert eventually(lambda: all(set(read_progress(dht, _KEY, local=True)) == names for dht in swarms), 15)
         time.sleep(2.0)
         for beacon in beacons:
             beacon.update(outer_step=10)
-        assert _wait(lambda: all(
+        assert eventually(lambda: all(
             {record["outer_step"] for record in read_progress(dht, _KEY, local=True).values()} == {10} for dht in swarms
         ), 10), "a pushed update did not reach every peer within 10 s"
     finally:

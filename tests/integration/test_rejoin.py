@@ -16,6 +16,8 @@ from p2p_diloco.config import SwarmConfig
 from p2p_diloco.joining import start_dht
 from p2p_diloco.swarm import ProgressBeacon, read_progress
 
+from .harness import eventually
+
 _KEY, _PERIOD_S, _TTL_S = "rejoin-test.progress", 0.5, 3.0
 
 
@@ -48,15 +50,6 @@ async def _routing_table_size(dht: DHT, node: DHTNode) -> int:
 def _reader(dht: DHT):
     own = dht.peer_id.to_base58()
     return lambda: {peer: record for peer, record in read_progress(dht, _KEY).items() if peer != own}
-
-
-def _wait(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def _publish(dht: DHT, step: int) -> None:
@@ -94,7 +87,7 @@ def pair():
 
 def test_beacons_bring_back_together_two_dhts_that_forgot_each_other(pair):
     first, second, addresses, beacons = pair.first, pair.second, pair.addresses, pair.beacons
-    assert _wait(lambda: first.run_coroutine(_routing_table_size) == 1, 10)
+    assert eventually(lambda: first.run_coroutine(_routing_table_size) == 1, 10)
 
     # control, without beacons: both tables emptied, each keeps publishing, and they stay apart
     assert first.run_coroutine(_forget_everyone) == 1 and second.run_coroutine(_forget_everyone) == 1
@@ -111,7 +104,7 @@ def test_beacons_bring_back_together_two_dhts_that_forgot_each_other(pair):
     ]
     for step, beacon in enumerate(beacons):
         beacon.update(outer_step=step)
-    assert _wait(lambda: all(beacon.peers for beacon in beacons), 20), [b.rejoins for b in beacons]
+    assert eventually(lambda: all(beacon.peers for beacon in beacons), 20), [b.rejoins for b in beacons]
     assert beacons[1].rejoins >= 1  # it was the second's ping that healed both tables
     assert first.run_coroutine(_routing_table_size) == 1 and second.run_coroutine(_routing_table_size) == 1
 
@@ -120,11 +113,11 @@ def test_beacons_bring_back_together_two_dhts_that_forgot_each_other(pair):
     beacons.pop().close()
     rejoins = beacons[0].rejoins
     first.run_coroutine(_forget_everyone), second.run_coroutine(_forget_everyone)
-    assert _wait(lambda: beacons[0].rejoins > rejoins, 20), "the first never pinged the peer it had seen"
+    assert eventually(lambda: beacons[0].rejoins > rejoins, 20), "the first never pinged the peer it had seen"
     beacons.append(ProgressBeacon(second, _KEY, _PERIOD_S, _TTL_S, _reader(second)))  # knows nobody
     beacons[1].update(outer_step=2)
     fresh = lambda: beacons[0].peers.get(second.peer_id.to_base58(), {}).get("outer_step") == 2  # noqa: E731
-    assert _wait(lambda: fresh() and beacons[1].peers, 20), [b.rejoins for b in beacons]
+    assert eventually(lambda: fresh() and beacons[1].peers, 20), [b.rejoins for b in beacons]
 
 
 def test_a_peer_that_leaves_says_so_and_drops_out_of_the_others_view_before_its_record_expires(pair):
@@ -133,7 +126,7 @@ def test_a_peer_that_leaves_says_so_and_drops_out_of_the_others_view_before_its_
     beacons += [ProgressBeacon(dht, _KEY, _PERIOD_S, ttl_s, _reader(dht)) for dht in (pair.first, pair.second)]
     for step, beacon in enumerate(beacons):
         beacon.update(outer_step=step)
-    assert _wait(lambda: all(beacon.peers for beacon in beacons), 20)
+    assert eventually(lambda: all(beacon.peers for beacon in beacons), 20)
     beacons[1].leave()
-    assert _wait(lambda: not beacons[0].peers, 10), beacons[0].peers
+    assert eventually(lambda: not beacons[0].peers, 10), beacons[0].peers
     assert not _reader(pair.first)()  # read straight from the DHT as well
