@@ -17,15 +17,24 @@ Same model, shards, batches, seeds and held-out batches as a bench peer. Held-ou
 ``--eval-every`` steps, p2p-diloco's global params at each outer step. Each DiLoCo point is compared with sync
 DP's loss at the same tokens, interpolated linearly between its two nearest evaluations. Writes
 ``equal_tokens.json`` and ``equal_tokens.md``.
+
+``--warm-start-tokens W`` starts both methods from one model that sync DP trained for W swarm tokens from the
+seeded init (its params and AdamW state; every island gets a copy of both, the outer momentum starts at zero,
+every shard reads on from where the warm start left it). That is the original DiLoCo's setting (§3: workers
+start from a model pretrained for 24k steps); tokens in the table count the warm start's too.
+
+It does not model the swarm's overlap (averaging in the background), failures, or unequal speeds.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,43 +66,88 @@ def _adamw(model: torch.nn.Module, inner: InnerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=inner.lr, weight_decay=inner.weight_decay)
 
 
-def sync_dp_curve(peers: int, tokens: int, eval_every: int, inner: InnerConfig, seed: int = 0) -> Curve:
-    """Sync DP's held-out loss every ``eval_every`` steps (and at the start) until ``tokens`` swarm tokens."""
+@dataclass(frozen=True)
+class WarmStart:
+    """Where both methods begin: the model and AdamW state after sync DP trained ``tokens`` swarm tokens."""
+
+    tokens: int  # swarm tokens already trained (steps x peers x batch tokens)
+    steps: int  # sync DP steps taken: every shard gave this many batches
+    model_state: dict
+    optimizer_state: dict
+
+
+def _sync_dp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shards: list, inner: InnerConfig) -> None:
+    """One step of synchronous data parallel: every shard's gradient, averaged (equal tokens), clipped, AdamW."""
+    model.train()
+    params = list(model.parameters())
+    grads = [torch.zeros_like(p) for p in params]
+    for shard in shards:
+        inputs, targets = shard.train.next_batch()
+        for total, grad in zip(grads, torch.autograd.grad(model(inputs, targets), params)):
+            total.add_(grad, alpha=1.0 / len(shards))
+    for param, grad in zip(params, grads):
+        param.grad = grad
+    if inner.grad_clip_norm:
+        torch.nn.utils.clip_grad_norm_(params, inner.grad_clip_norm)
+    optimizer.step()
+
+
+def _begin(start: WarmStart | None, shards: list, models: list, optimizers: list) -> int:
+    """Put the warm start into the shards (read on from it), models and optimizers (private copies); its tokens."""
+    if start is None:
+        return 0
+    for shard in shards:
+        shard.train.position = start.steps
+    for model in models:
+        model.load_state_dict(start.model_state)
+    for optimizer in optimizers:
+        optimizer.load_state_dict(copy.deepcopy(start.optimizer_state))  # load_state_dict may keep the given tensors
+    return start.tokens
+
+
+def warm_start(peers: int, tokens: int, inner: InnerConfig, seed: int = 0) -> WarmStart:
+    """Sync DP from the seeded init until ``tokens`` swarm tokens (rounded up to whole steps)."""
+    config, shards, _ = _setup(peers, inner.batch_size, seed)
+    model = build_model(config, seed)
+    optimizer = _adamw(model, inner)
+    step_tokens = peers * shards[0].train.tokens_per_batch
+    steps = -(-tokens // step_tokens)
+    for _ in range(steps):
+        _sync_dp_step(model, optimizer, shards, inner)
+    return WarmStart(steps * step_tokens, steps, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
+
+
+def sync_dp_curve(peers: int, tokens: int, eval_every: int, inner: InnerConfig, seed: int = 0,
+                  start: WarmStart | None = None) -> Curve:
+    """Sync DP's held-out loss every ``eval_every`` steps (and at the start) until ``tokens`` swarm tokens more."""
     config, shards, held_out = _setup(peers, inner.batch_size, seed)
     model = build_model(config, seed)
-    params, optimizer = list(model.parameters()), _adamw(model, inner)
+    optimizer = _adamw(model, inner)
+    first = _begin(start, shards, [model], [optimizer])
     step_tokens = peers * shards[0].train.tokens_per_batch
-    curve, step = [(0, _evaluate(model, held_out))], 0
+    curve, step = [(first, _evaluate(model, held_out))], 0
     while step * step_tokens < tokens:
-        model.train()
-        grads = [torch.zeros_like(p) for p in params]
-        for shard in shards:
-            inputs, targets = shard.train.next_batch()
-            for total, grad in zip(grads, torch.autograd.grad(model(inputs, targets), params)):
-                total.add_(grad, alpha=1.0 / peers)
-        for param, grad in zip(params, grads):
-            param.grad = grad
-        if inner.grad_clip_norm:
-            torch.nn.utils.clip_grad_norm_(params, inner.grad_clip_norm)
-        optimizer.step()
+        _sync_dp_step(model, optimizer, shards, inner)
         step += 1
         if step % eval_every == 0 or step * step_tokens >= tokens:
-            curve.append((step * step_tokens, _evaluate(model, held_out)))
+            curve.append((first + step * step_tokens, _evaluate(model, held_out)))
     return curve
 
 
 def diloco_curve(
-    peers: int, tokens: int, inner_steps: int, inner: InnerConfig, outer: OuterConfig, compression: str, seed: int = 0
+    peers: int, tokens: int, inner_steps: int, inner: InnerConfig, outer: OuterConfig, compression: str, seed: int = 0,
+    start: WarmStart | None = None,
 ) -> Curve:
-    """The global params' held-out loss at each outer step (and at the start) until ``tokens`` swarm tokens."""
+    """The global params' held-out loss at each outer step (and at the start) until ``tokens`` swarm tokens more."""
     config, shards, held_out = _setup(peers, inner.batch_size, seed)
     global_model = build_model(config, seed)
-    global_params = [p.data for p in global_model.parameters()]
-    outer_optimizer, codec = OuterOptimizer(global_params, outer), make_codec(compression)
     islands = [build_model(config, seed) for _ in range(peers)]
     optimizers = [_adamw(island, inner) for island in islands]
+    first = _begin(start, shards, [global_model, *islands], optimizers)  # the outer momentum starts at zero
+    global_params = [p.data for p in global_model.parameters()]
+    outer_optimizer, codec = OuterOptimizer(global_params, outer), make_codec(compression)
     round_tokens = inner_steps * peers * shards[0].train.tokens_per_batch
-    curve, done = [(0, _evaluate(global_model, held_out))], 0
+    curve, done = [(first, _evaluate(global_model, held_out))], 0
     while done < tokens:
         outer_grads = []
         for island, optimizer, shard in zip(islands, optimizers, shards):
@@ -114,7 +168,7 @@ def diloco_curve(
                 for param, value in zip(island.parameters(), global_params):
                     param.copy_(value)
         done += round_tokens
-        curve.append((done, _evaluate(global_model, held_out)))
+        curve.append((first + done, _evaluate(global_model, held_out)))
     return curve
 
 
@@ -144,7 +198,9 @@ def _run(job: tuple) -> tuple[str, Curve, float]:
 
 
 def _table(results: dict) -> str:
-    lines = [
+    warm = results["warm_start_tokens"]
+    lines = [f"From a warm start: sync DP's model after {warm:,} swarm tokens (counted below).", ""] if warm else []
+    lines += [
         "| method | outer steps | swarm tokens | loss | sync DP at those tokens | gap |",
         "|---|---|---|---|---|---|",
     ]
@@ -169,6 +225,16 @@ def _positive(kind: type, name: str):
     return parse
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--warm-start-tokens must be a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--warm-start-tokens must be >= 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None, prog: str = "equal_tokens.py") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/equal-tokens", help="folder for equal_tokens.json and equal_tokens.md")
@@ -180,6 +246,8 @@ def main(argv: list[str] | None = None, prog: str = "equal_tokens.py") -> int:
     parser.add_argument("--outer-momentum", type=float, default=OuterConfig().momentum, help=f"outer Nesterov momentum (default {OuterConfig().momentum})")
     parser.add_argument("--compression", choices=COMPRESSIONS, default="int8", help="outer-gradient codec (default int8; int4 here without error feedback)")
     parser.add_argument("--eval-every", type=_positive(int, "--eval-every"), default=25, help="sync DP steps between evaluations (default 25)")
+    parser.add_argument("--warm-start-tokens", type=_non_negative_int, default=0, metavar="TOKENS",
+                        help="start both methods from sync DP's model after this many swarm tokens (default 0: from the init)")
     parser.add_argument("--jobs", type=_positive(int, "--jobs"), default=2, help="methods computed at once, one process and one thread each (default 2)")
     args = parser.parse_args(argv)
     try:
@@ -189,7 +257,12 @@ def main(argv: list[str] | None = None, prog: str = "equal_tokens.py") -> int:
     # DiLoCo stops at its last outer step within --tokens (one at least); sync DP runs as far as the furthest
     round_tokens = {h: h * args.peers * args.batch_size * ModelConfig().seq_len for h in dict.fromkeys(args.inner_steps)}
     diloco_tokens = {h: max(1, args.tokens // tokens) * tokens for h, tokens in round_tokens.items()}
-    common = dict(peers=args.peers, inner=inner)
+    start = None
+    if args.warm_start_tokens:
+        started = time.monotonic()
+        start = warm_start(args.peers, args.warm_start_tokens, inner)
+        print(f"warm start: sync DP to {start.tokens:,} tokens in {time.monotonic() - started:.0f} s", flush=True)
+    common = dict(peers=args.peers, inner=inner, start=start)
     jobs = [("syncdp", "syncdp", dict(common, tokens=max(args.tokens, *diloco_tokens.values()), eval_every=args.eval_every))]
     jobs += [
         (f"diloco-H{h}", "diloco", dict(common, tokens=diloco_tokens[h], inner_steps=h, outer=outer, compression=args.compression))
@@ -203,7 +276,8 @@ def main(argv: list[str] | None = None, prog: str = "equal_tokens.py") -> int:
     results = dict(
         command=" ".join([prog, *(argv if argv is not None else sys.argv[1:])]),
         peers=args.peers, batch_size=args.batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        compression=args.compression, seconds=seconds, syncdp=curves["syncdp"],
+        compression=args.compression, warm_start_tokens=start.tokens if start else 0, seconds=seconds,
+        syncdp=curves["syncdp"],
         diloco={
             name: dict(curve=curve, vs_syncdp=compare(curves["syncdp"], curve))
             for name, curve in curves.items() if name != "syncdp"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from p2p_diloco.config import InnerConfig, OuterConfig
-from p2p_diloco.equal_tokens import compare, diloco_curve, loss_at, main, sync_dp_curve
+from p2p_diloco.equal_tokens import compare, diloco_curve, loss_at, main, sync_dp_curve, warm_start
 
 TINY = InnerConfig(batch_size=2)
 BATCH_TOKENS = 2 * 128
@@ -53,7 +53,7 @@ def test_main_writes_the_table_and_json(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [(["--tokens", "0"], "--tokens must be > 0"), (["--inner-steps", "x"], "--inner-steps must be a number"),
-     (["--outer-momentum", "1.5"], "outer.momentum")],
+     (["--outer-momentum", "1.5"], "outer.momentum"), (["--warm-start-tokens", "-1"], "--warm-start-tokens must be >= 0")],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -61,3 +61,29 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert message in error
+
+
+def test_a_warm_start_is_where_both_methods_begin_and_sync_dp_goes_on_as_if_never_stopped():
+    # sync DP warm-started at 2 steps and run 2 more is the same arithmetic as 4 steps in one go (params, AdamW
+    # state and data position all carried); DiLoCo starts from the same point: its first evaluation is that model
+    start = warm_start(peers=2, tokens=2 * 2 * BATCH_TOKENS, inner=TINY)
+    assert (start.tokens, start.steps) == (4 * BATCH_TOKENS, 2)
+    straight = sync_dp_curve(peers=2, tokens=8 * BATCH_TOKENS, eval_every=2, inner=TINY)
+    resumed = sync_dp_curve(peers=2, tokens=4 * BATCH_TOKENS, eval_every=2, inner=TINY, start=start)
+    assert [t for t, _ in resumed] == [4 * BATCH_TOKENS, 8 * BATCH_TOKENS] == [t for t, _ in straight[1:]]
+    for (_, a), (_, b) in zip(straight[1:], resumed):
+        assert a == pytest.approx(b, abs=1e-5)
+    diloco = diloco_curve(2, 4 * BATCH_TOKENS, 2, TINY, OuterConfig(), "none", start=start)
+    assert diloco[0] == resumed[0] and [t for t, _ in diloco] == [4 * BATCH_TOKENS, 8 * BATCH_TOKENS]
+    again = diloco_curve(2, 4 * BATCH_TOKENS, 2, TINY, OuterConfig(), "none", start=start)
+    assert again == diloco  # the islands got copies: the warm start itself was not trained on
+
+
+def test_main_with_a_warm_start_labels_the_table(tmp_path):
+    out = tmp_path / "warm"
+    assert main(["--out", str(out), "--tokens", str(4 * BATCH_TOKENS), "--inner-steps", "2", "--peers", "2",
+                 "--batch-size", "2", "--eval-every", "1", "--jobs", "1", "--warm-start-tokens", "1"]) == 0
+    results = json.loads((out / "equal_tokens.json").read_text())
+    assert results["warm_start_tokens"] == 2 * BATCH_TOKENS  # rounded up to one whole step of 2 peers
+    assert results["syncdp"][0][0] == 2 * BATCH_TOKENS
+    assert (out / "equal_tokens.md").read_text().startswith("From a warm start: sync DP's model after 512 swarm tokens")
