@@ -12,6 +12,8 @@ Figures (``analyse``), all from the peers' own metrics files and the fault log:
   interval between two of their records (an interval that overlaps the peer's own fault or recovery is left
   out); *swarm goodput*: all compute time / (peers x duration), downtime and restarts included;
 - *longest stall*: the longest single wait of each peer's training loop (``longest_block_s``), survivors only;
+  *survivors' blocked time*: all of each peer's waits while a survivor, added up (invariant 3 bounds it by one
+  timeout per fault, plus the short waits of calm rounds);
 - *time to contribute*: from a restart (or thaw) to the peer's first averaging that succeeded;
 - invariant 1 over every record of both runs, NaN anywhere, checkpoints that could not be resumed;
 - final eval loss of the global params, chaotic vs calm.
@@ -214,8 +216,9 @@ def analyse(run: dict[str, Any], averaging_timeout_s: float) -> dict[str, Any]:
         ))
     compute = wall = 0.0
     longest_stall: dict[str, float] = {}
+    blocked: dict[str, float] = {}  # each peer's training loop blocked on the network while a survivor, in all
     for name, peer_records in records.items():
-        stall = 0.0
+        stall = blocked_s = 0.0
         for life in split_lives(peer_records):
             for before, after in zip(life, life[1:]):
                 start, end = before["unix_time"], after["unix_time"]
@@ -224,7 +227,9 @@ def analyse(run: dict[str, Any], averaging_timeout_s: float) -> dict[str, Any]:
                 compute += after["compute_s"] - before["compute_s"]
                 wall += end - start
                 stall = max(stall, after.get("longest_block_s", 0.0))
+                blocked_s += after.get("interval_blocked_s", 0.0)
         longest_stall[name] = round(stall, 2)
+        blocked[name] = round(blocked_s, 2)
     total_compute = sum(life[-1]["compute_s"] for peer_records in records.values() for life in split_lives(peer_records))
     numbers = [
         v for peer_records in records.values() for r in peer_records for v in (r.get("loss"), r.get("eval_loss"))
@@ -246,6 +251,7 @@ def analyse(run: dict[str, Any], averaging_timeout_s: float) -> dict[str, Any]:
         survivors_goodput=round(compute / wall, 4) if wall else None,
         swarm_goodput=round(total_compute / (len(records) * (run["ended"] - run["began"])), 4) if records else None,
         longest_stall_s=longest_stall,
+        survivors_blocked_s=blocked,
         stall_bound_s=averaging_timeout_s,
         restarts=restarts,
         every_restart_contributed=all(c is not None for c in contributed),
@@ -403,6 +409,7 @@ def _finish(out: Path, result: dict[str, Any], run: dict[str, Any], timeout: flo
     chaotic = result["chaotic"]
     print(f"faults {chaotic['faults']}; survivors' goodput {chaotic['survivors_goodput']}; swarm goodput {chaotic['swarm_goodput']}; "
           f"longest survivor stall {max(chaotic['longest_stall_s'].values(), default=0):.1f} s (bound {timeout:.0f} s); "
+          f"most blocked survivor {max(chaotic['survivors_blocked_s'].values(), default=0):.1f} s in all; "
           f"longest time to contribute again {chaotic['longest_time_to_contribute_s']} s; "
           f"invariant 1 {'held' if chaotic['invariant_1']['held'] else 'VIOLATED'}; non-finite {chaotic['non_finite_values']}; "
           f"lost checkpoints {chaotic['lost_checkpoints']}; eval loss {chaotic['final_eval_loss']}"

@@ -89,10 +89,11 @@ def test_the_idle_pace_keeps_rounds_whole_and_admits_a_late_joiner(tmp_path, rea
     assert any(late_id in r["peers"] and r["group_size"] == 4 for r in founders_ok), "no whole round with the joiner"
     # rounds stayed whole: the founders' rounds after the first (peers start seconds apart, and whoever is there
     # first averages step 0 without the last one) until the first founder began to stop, all ok
-    first_stop = min(max(r["time_s"] for r in records[f"peer{i}"]) for i in range(3)) - 5
+    # on the common clock: each record's time_s counts from its own peer's start, and the peers start seconds apart
+    first_stop = min(max(r["unix_time"] for r in records[f"peer{i}"]) for i in range(3)) - 5
     rounds = [
         r for i in range(3) for r in records[f"peer{i}"]
-        if r["status"] in ROUND_STATUSES and r["outer_step"] >= 1 and r["time_s"] < first_stop
+        if r["status"] in ROUND_STATUSES and r["outer_step"] >= 1 and r["unix_time"] < first_stop
     ]
     assert rounds and all(r["status"] == "ok" for r in rounds), [
         (r["outer_step"], r["status"], r["reason"]) for r in rounds if r["status"] != "ok"

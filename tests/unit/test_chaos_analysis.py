@@ -11,8 +11,9 @@ from p2p_diloco.chaos import analyse
 
 
 def _record(t, step, status="ok", compute=0.0, block=0.0, sha="a", eval_loss=None, reason="", loss=2.0):
+    # one wait per interval: the longest wait is all the interval's blocked time
     return dict(unix_time=t, outer_step=step, status=status, compute_s=compute, longest_block_s=block,
-                global_sha256=f"{sha}{step}", eval_loss=eval_loss, reason=reason, loss=loss)
+                interval_blocked_s=block, global_sha256=f"{sha}{step}", eval_loss=eval_loss, reason=reason, loss=loss)
 
 
 def _write(tmp_path, name, records):
@@ -43,6 +44,7 @@ def test_goodput_leaves_out_the_victims_fault_window_and_times_its_return(tmp_pa
     assert result["survivors_goodput"] == pytest.approx((27.0 + 9.5 + 5.0) / (30.0 + 16.0), abs=1e-4)
     assert result["swarm_goodput"] == pytest.approx((27.0 + 9.5 + 10.0) / (2 * 30.0), abs=1e-4)
     assert result["longest_stall_s"] == {"a": 2.0, "b": 0.0}  # the victim's recovery waits are not a survivor's
+    assert result["survivors_blocked_s"] == {"a": 2.5, "b": 0.0}  # nor in its blocked time; the survivor's add up
     (restart,) = result["restarts"]
     assert restart["to_first_contribution_s"] == 7.0 and restart["down_s"] == 5.0
     assert restart["resumed_from_checkpoint"] is True and result["lost_checkpoints"] == 0
