@@ -20,7 +20,7 @@ DP's loss at the same tokens, interpolated linearly between its two nearest eval
 
 ``--warm-start-tokens W`` starts both methods from one model that sync DP trained for W swarm tokens from the
 seeded init (its params and AdamW state; every island gets a copy of both, the outer momentum starts at zero,
-every shard reads on from where the warm start left it). That is the original DiLoCo's setting (§3: workers
+every shard reads on from where the warm start left it). That is the original DiLoCo's setting (its workers
 start from a model pretrained for 24k steps); tokens in the table count the warm start's too.
 
 It does not model the swarm's overlap (averaging in the background), failures, or unequal speeds.
