@@ -154,5 +154,5 @@ def test_short_chaos_run_heals(tmp_path, reaper):
     # machine), and no single wait is longer than one
     assert max(result["survivors_blocked_s"].values()) < len(run["faults"]) * (30 + 10), result["survivors_blocked_s"]
     assert max(result["longest_stall_s"].values()) < 30 + 10, result["longest_stall_s"]
-    assert result["survivors_goodput"] > 0.4, result  # and they trained between the faults (0.52-0.55 seen here)
+    assert result["survivors_goodput"] > 0.4, result  # and they trained between the faults (0.50-0.55 on fast machines)
     assert all(code == 0 for code in run["exit_codes"].values()), run["exit_codes"]
