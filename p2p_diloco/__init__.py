@@ -2,7 +2,7 @@
 
 Each machine is a *learner island*: it runs inner AdamW steps on its own data shard, then averages a
 compressed outer gradient with its peers through hivemind's DHT and butterfly all-reduce, and applies
-an outer Nesterov step to the shared global parameters. See DESIGN.md for the algorithm and invariants.
+an outer Nesterov step to the shared global parameters. See docs/design.md for the algorithm and invariants.
 
 Importing this package has no side effects: no logging set-up, no environment reads, no device probing.
 """

@@ -1,5 +1,5 @@
 """Attacks on a local swarm (``scripts/attack.py``): honest peers beside one adversary of each kind, each run
-against a calm run of the same honest swarm (DESIGN.md §3.5, issue 6).
+against a calm run of the same honest swarm (docs/design.md §3, invariant 5, and §7).
 
 Every scenario runs the same honest swarm: ``honest0`` and ``honest1`` from the start, ``honest2`` beginning
 ``LATE_START_S`` later (so it downloads the state, which the wrong-donor attack targets), all stopping at the same

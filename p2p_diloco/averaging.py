@@ -1,6 +1,6 @@
 """Exact, compressed, leaderless averaging over hivemind's butterfly all-reduce.
 
-hivemind 1.1.12 has three behaviours we cannot accept (DESIGN.md §6), fixed here by subclassing small
+hivemind 1.1.12 has three behaviours we cannot accept (docs/design.md §6), fixed here by subclassing small
 pieces of it rather than copying it:
 
 1. *Peers get different averages.* A reducer sends each sender ``average - sender's part`` and keeps the
@@ -191,7 +191,11 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)  # remote results arrive already encoded once
+            try:
+                return await super()._communicate_with_peer(peer_id)  # remote results arrive already encoded once
+            except Exception as e:  # hivemind says why only at DEBUG; the round is partial: say which part and why
+                logger.warning("reducer %s: its part never arrived (%s)", peer_id, f"{type(e).__name__}: {e}"[:300])
+                raise
         # our own part: reduce it like any other, and take the same decoded bytes the senders get
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)

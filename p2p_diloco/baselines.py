@@ -198,7 +198,7 @@ def _start_method(config: PeerConfig, baseline: BaselineConfig, limits: Limits) 
         return Bare(config), None
     from p2p_diloco.swarm import start_dht
 
-    if mp.get_start_method(allow_none=True) != "fork":  # hivemind's averagers are mp.Process (DESIGN.md §6)
+    if mp.get_start_method(allow_none=True) != "fork":  # hivemind's averagers are mp.Process (docs/design.md §6)
         mp.set_start_method("fork", force=True)
     dht = start_dht(config.swarm)
     try:
@@ -207,7 +207,7 @@ def _start_method(config: PeerConfig, baseline: BaselineConfig, limits: Limits) 
             method_class = SyncDataParallel if baseline.method == "syncdp" else HivemindOptimizer
             method: Method = method_class(config, baseline, dht, limits)
         finally:
-            signal.signal(signal.SIGINT, previous_sigint)  # hivemind ignores SIGINT in the caller (DESIGN.md §6)
+            signal.signal(signal.SIGINT, previous_sigint)  # hivemind ignores SIGINT in the caller (docs/design.md §6)
     except BaseException:
         dht.shutdown()
         raise
@@ -215,6 +215,10 @@ def _start_method(config: PeerConfig, baseline: BaselineConfig, limits: Limits) 
     addresses = [a for a in visible if "/127." not in a] or visible
     print(f"others can join with: --initial-peers {addresses[0] if addresses else '?'}", flush=True)
     print(f"all addresses: {' '.join(visible)}", flush=True)
+    if config.run.ready_file:
+        from p2p_diloco.ready import write_ready_file
+
+        write_ready_file(config.run.ready_file, dht.peer_id.to_base58(), addresses[0] if addresses else None, visible)
     return method, dht
 
 

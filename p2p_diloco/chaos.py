@@ -104,12 +104,11 @@ class ChaosSwarm:
         if fault.kind == "kill":
             fault.had_checkpoint = checkpoint.newest(self.checkpoint_dir(name)) is not None
             initial = [address for other, address in self.addresses.items() if other in self.up()]
-            offset = self.processes[name].log_file.stat().st_size
             index = int(name.removeprefix("peer"))
             peer = start_peer(name, self.out_dir, [*self._flags(name, index), "--resume"], initial, append=True)
             self.processes[name] = peer
             self.lives[name] += 1
-            self.addresses[name] = wait_for_address(peer, log_offset=offset)
+            self.addresses[name] = wait_for_address(peer)  # the restart's own ready file
         else:
             self.processes[name].signal_group(signal.SIGCONT)
         del self.down[name]

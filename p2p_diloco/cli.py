@@ -21,6 +21,7 @@ from p2p_diloco.config import (
     ADVERSARIES,
     COMPRESSIONS,
     ISLAND_SHARDINGS,
+    PRECISIONS,
     PROGRESS_TRANSPORTS,
     REACHABILITY,
     PeerConfig,
@@ -50,6 +51,8 @@ _FLAG_FIELDS = {
     "round_deadline_s": ("inner", "round_deadline_s"),
     "throttle": ("inner", "throttle"),
     "fragments": ("inner", "fragments"),
+    "precision": ("inner", "precision"),
+    "device": ("run", "device"),
     "batch_size": ("inner", "batch_size"),
     "inner_lr": ("inner", "lr"),
     "outer_lr": ("outer", "lr"),
@@ -79,6 +82,9 @@ _FLAG_FIELDS = {
     "threads": ("run", "threads"),
     "island_sharding": ("run", "island_sharding"),
     "start_at": ("run", "start_at_unix"),
+    "wait_for_peers": ("run", "wait_for_peers"),
+    "wait_for_peers_s": ("run", "wait_for_peers_s"),
+    "ready_file": ("run", "ready_file"),
     "tensorboard": ("run", "tensorboard_dir"),
     "monitor_port": ("run", "monitor_port"),
     "monitor_host": ("run", "monitor_host"),
@@ -131,6 +137,7 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--round-deadline-s", type=float, default=s, help="a round ends at the latest this many seconds after it began (default 0: none)")
     train.add_argument("--throttle", type=float, default=s, help="slow this peer's inner steps F-fold by sleeping, to emulate older hardware (default 1)")
     train.add_argument("--fragments", type=int, default=s, metavar="P", help="streaming: split the parameters into P fragments averaged at staggered times, one per 1/P of a round, so each burst is ~P times smaller (default 1)")
+    train.add_argument("--precision", choices=PRECISIONS, default=s, help="arithmetic of the inner steps: bf16 autocast or fp32; auto is bf16 on a GPU and fp32 on a CPU; params, outer gradients and everything shared stay fp32 (default auto)")
     train.add_argument("--batch-size", type=int, default=s, help=f"sequences per inner step (default {d.inner.batch_size})")
     train.add_argument("--seq-len", type=int, default=s, help=f"tokens (bytes) per sequence (default {d.model.seq_len})")
     train.add_argument("--inner-lr", type=float, default=s, help=f"AdamW learning rate (default {d.inner.lr})")
@@ -158,12 +165,16 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--checkpoint-every", type=int, default=s, help=f"outer steps between checkpoints (default {d.run.checkpoint_every})")
     run.add_argument("--resume", action="store_true", default=s, help="start from the newest readable checkpoint in --checkpoint-dir (a corrupt one is reported and the one before it used), then catch up with the swarm if it is ahead")
     run.add_argument("--eval-every", type=int, default=s, help=f"outer steps between held-out evaluations (default {d.run.eval_every})")
+    run.add_argument("--device", default=s, help="where a single-process peer trains: auto (a GPU if torch sees one, else the CPU), cpu, cuda or cuda:N; a torchrun island takes one GPU per rank (default auto)")
     run.add_argument("--threads", type=int, default=s, help=f"torch CPU threads for this peer (default {d.run.threads})")
     run.add_argument("--island-sharding", choices=ISLAND_SHARDINGS, default=s, help="how the ranks of a torchrun island hold the model: ddp (all of it on every rank) or fsdp (each rank a shard of the params and inner AdamW state; rank 0 gathers the full local params for the outer step and scatters the result back); fsdp needs torchrun with 2 or more ranks (default ddp)")
     run.add_argument("--tensorboard", default=s, metavar="DIR", help="write TensorBoard scalars per outer step (loss, tokens/s, group size, bytes, blocked time) to DIR/<peer id> (needs the tensorboard package)")
     run.add_argument("--monitor-port", type=int, default=s, metavar="PORT", help="serve a live web page of the swarm (peers, outer steps, throughput, bytes, loss chart) on this port (default 0: none)")
     run.add_argument("--monitor-host", default=s, metavar="HOST", help=f"address the monitor page listens on (default {d.run.monitor_host}: this machine only; 0.0.0.0 for every interface)")
     run.add_argument("--start-at", type=float, default=s, metavar="UNIX_TIME", help="join the swarm, then wait until this wall-clock time (Unix seconds) before training, so that peers launched together start together (default: at once)")
+    run.add_argument("--wait-for-peers", type=int, default=s, metavar="N", help="join the swarm, then wait until N peers (this one included) are in it before training, so that peers launched together train together from the first round (default 0: at once)")
+    run.add_argument("--wait-for-peers-s", type=float, default=s, help=f"stop waiting for --wait-for-peers after this many seconds and start with whoever is there (default {d.run.wait_for_peers_s:g})")
+    run.add_argument("--ready-file", default=s, metavar="PATH", help="once in the swarm, write this peer's id and addresses to PATH as JSON (for launchers and scripts)")
 
 
 def resolve_config(args: argparse.Namespace) -> PeerConfig:
@@ -272,7 +283,8 @@ def _start_island(config: PeerConfig) -> Island:
     """This process's island: the torchrun ranks of the environment (RANK, WORLD_SIZE), or a single process."""
     from p2p_diloco import island
 
-    return island.Island.from_environment(os.environ, island.collective_timeout_s(config), config.run.island_sharding)
+    return island.Island.from_environment(os.environ, island.collective_timeout_s(config), config.run.island_sharding,
+                                          device=config.run.device, precision=config.inner.precision)
 
 
 _FOLLOWER_GRACE_S = 10.0  # beyond rank 0's own shutdown wait; under torchrun's 30 s before it SIGKILLs
@@ -334,6 +346,7 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
     from p2p_diloco.metrics import FanOutSink
     from p2p_diloco.model import count_parameters
     from p2p_diloco.monitor import MonitorServer
+    from p2p_diloco.ready import write_ready_file
     from p2p_diloco.swarm import SwarmStartError, reap_descendants
     from p2p_diloco.watch import SwarmWatch
 
@@ -363,6 +376,10 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
         print(f"resumed from {resumed} at outer step {learner.outer_step}" if resumed
               else f"no checkpoint in {config.run.checkpoint_dir} yet: starting fresh", flush=True)
     log.info("resolved config: %s", json.dumps(config.to_dict(), sort_keys=True))
+    import torch
+
+    log.info("torch %s on %s, inner steps in %s: CPU kernels %s, %d threads", torch.__version__, island.device,
+             island.inner_precision, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
     try:
         make_link = link_class(config.swarm.adversary)  # the honest SwarmLink unless a test asked for an adversary
         link = make_link(config.swarm, learner.averaging_template(), learner.state_for_peers, config.inner.fragments)
@@ -385,9 +402,12 @@ def _run_peer(config: PeerConfig, prog: str) -> int:
         print(link.reachability.line, flush=True)
         if link.reachability.mode == "relay":  # dialled through its relay
             addresses = " ".join(a for a in link.visible_maddrs() if "/p2p-circuit" in a) or addresses
-        if link.reachability.mode != "client":
-            print(f"others can join with: --initial-peers {addresses.split()[0] if addresses else '?'}", flush=True)
+        join_address = addresses.split()[0] if addresses and link.reachability.mode != "client" else None
+        if join_address is not None:
+            print(f"others can join with: --initial-peers {join_address}", flush=True)
         print(f"all addresses: {' '.join(link.visible_maddrs())}", flush=True)
+        if config.run.ready_file:
+            write_ready_file(config.run.ready_file, link.peer_id, join_address, link.visible_maddrs())
         watch.start(link.progress_records, self_id=link.peer_id)
         if monitor is not None:
             print(f"swarm monitor: {monitor.url}", flush=True)

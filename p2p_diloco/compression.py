@@ -2,10 +2,12 @@
 and error feedback for the lossy ones.
 
 Pure torch + bitsandbytes, no hivemind: ``averaging.py`` adapts these codecs to hivemind's
-serialization. A codec turns a flat fp32 tensor into bytes and back; decoding is deterministic, so
-peers that receive the same bytes get the same tensor. The 8-bit codec sends only the absmax of each
-block and the 8-bit indices (the dynamic code book is rebuilt on each side, never sent), and parses
-its header with plain ``int.from_bytes``, so it works under numpy 2 (hivemind's 8-bit codec does not).
+serialization. A codec turns a flat fp32 tensor into bytes and back. Encoding runs once per part, on its
+reducer, so it may round differently from one machine to the next; decoding gives the same bytes on every
+backend (docs/design.md §5): it is a table lookup and one fp32 multiply per value in plain torch, not
+bitsandbytes' kernels, and the code books are fixed bit patterns here, not rebuilt by each peer with
+floating-point arithmetic. The quantized codecs send only the absmax of each block and the indices (the
+code book is never sent), so they work under numpy 2 (hivemind's 8-bit codec does not).
 
 Bytes from another peer are untrusted: ``received_shape`` and ``decode_received`` check them against the
 layout before anything is allocated and raise ``MalformedPayloadError``, never anything else.
@@ -30,6 +32,41 @@ class MalformedPayloadError(ValueError):
     """Bytes received from another peer do not fit the layout they claim (wrong length, dtype or shape, block
     scales that are not finite and >= 0, a wire type p2p-diloco never sends). The sender is at fault: the
     caller drops that part or that peer, never the process. A ValueError, so existing handlers keep working."""
+
+
+_INT8_CODE_HEX = (
+    "33337ebf9a997abf000077bf666673bfcdcc6fbf33336cbf9a9968bf000065bf666661bfcdcc5dbf33335abf9a9956bf"
+    "000053bf66664fbfcdcc4bbf333348bf9a9944bf000041bf66663dbfcdcc39bf343336bf9a9932bf00002fbf66662bbf"
+    "cdcc27bf343324bf9a9920bf00001dbf666619bfcdcc15bf343312bf9a990ebf00000bbf666607bfcccc03bf333300bf"
+    "3233f9be0000f2becccceabe9a99e3be6666dcbe3333d5be0000cebeccccc6be9a99bfbe6666b8be3333b1be0000aabe"
+    "cccca2be9a999bbe666694be34338dbe000086be99997dbe33336fbecdcc60be666652be000044be9a9935be333327be"
+    "cdcc18be66660abe0000f8bd3433dbbd85ebc9bdf728c4bd6766bebdd7a3b8bd48e1b2bdb81eadbd2a5ca7bd9a99a1bd"
+    "0ad79bbd7b1496bdeb5190bd5d8f8abdcdcc84bd7b147ebd5d8f72bd3d0a67bd1f855bbd000050bde17a44bdc3f538bd"
+    "a3702dbd85eb21bd676616bd48e10abd52b8febc15aee7bcd7a3d0bc9a99b9bc5d8fa2bc1f858bbcc3f568bc48e13abc"
+    "643b1fbc180416bccdcc0cbc819503bc6abcf4bbd34de2bb3bdfcfbba470bdbb0d02abbb749398bbdd2486bb8a6c67bb"
+    "5c8f42bb2db21dbbfca9f1ba9defa7baff6577ba3ee859ba806a3cbac1ec1eba016f01ba83e2c7b905e78cb90bd723b9"
+    "4b1fbab8b3ef8ab8348037b80642b2b7ff0502b7941a5ab6b7a313b500000000b7a31335941a5a36ff0502370642b237"
+    "34803738b3ef8a384b1fba380bd7233905e78c3983e2c739016f013ac1ec1e3a806a3c3a3ee8593aff65773a9defa73a"
+    "fca9f13a2db21d3b5c8f423b8a6c673bdd24863b7493983b0d02ab3ba470bd3b3bdfcf3bd34de23b6abcf43b8195033c"
+    "cdcc0c3c1804163c643b1f3c48e13a3cc3f5683c1f858b3c5d8fa23c9a99b93cd7a3d03c15aee73c52b8fe3c48e10a3d"
+    "6766163d85eb213da3702d3dc3f5383de17a443d0000503d1f855b3d3d0a673d5d8f723d7b147e3dcdcc843d5d8f8a3d"
+    "eb51903d7b14963d0ad79b3d9a99a13d2a5ca73db81ead3d48e1b23dd7a3b83d6766be3df728c43d85ebc93d3433db3d"
+    "0000f83d66660a3ecdcc183e3333273e9a99353e0000443e6666523ecdcc603e33336f3e99997d3e0000863e34338d3e"
+    "6666943e9a999b3ecccca23e0000aa3e3333b13e6666b83e9a99bf3eccccc63e0000ce3e3333d53e6666dc3e9a99e33e"
+    "ccccea3e0000f23e3233f93e3333003fcccc033f6666073f00000b3f9a990e3f3433123fcdcc153f6666193f00001d3f"
+    "9a99203f3433243fcdcc273f66662b3f00002f3f9a99323f3433363fcdcc393f66663d3f0000413f9a99443f3333483f"
+    "cdcc4b3f66664f3f0000533f9a99563f33335a3fcdcc5d3f6666613f0000653f9a99683f33336c3fcdcc6f3f6666733f"
+    "0000773f9a997a3f33337e3f0000803f"
+)
+_NF4_CODE_HEX = (
+    "000080bfb13932bf306b06bfa032cabe4da291be3f353dbe7178babd00000000fffaa23de3ca243edd047c3e3a03ad3e"
+    "b8a4e13eab07103fb313393f0000803f"
+)
+
+
+def _code_book(hex_text: str) -> torch.Tensor:
+    """fp32 values from their little-endian bit patterns: the same bytes on every machine, by construction."""
+    return torch.frombuffer(bytearray.fromhex(hex_text), dtype=torch.float32).clone()
 
 
 class Codec(Protocol):
@@ -94,12 +131,10 @@ class BlockwiseInt8Codec:
         flat = values.detach().to(torch.float32).contiguous().view(-1)
         if flat.numel() == 0:
             return b""
-        indices, state = quantize_blockwise(flat, code=_dynamic_code(), blocksize=self.block_size)
+        indices, state = quantize_blockwise(flat, code=dynamic_code(), blocksize=self.block_size)
         return state.absmax.to(torch.float32).numpy().tobytes() + indices.numpy().tobytes()
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
-        from bitsandbytes.functional import dequantize_blockwise
-
         num_blocks = -(-numel // self.block_size)
         _check_length(self.name, data, 4 * num_blocks + numel)
         if numel == 0:
@@ -107,7 +142,7 @@ class BlockwiseInt8Codec:
         buffer = bytearray(data)
         absmax = torch.frombuffer(buffer, dtype=torch.float32, count=num_blocks)
         indices = torch.frombuffer(buffer, dtype=torch.uint8, offset=4 * num_blocks, count=numel)
-        return dequantize_blockwise(indices, absmax=absmax, code=_dynamic_code(), blocksize=self.block_size)
+        return scaled_lookup(dynamic_code(), indices, absmax, self.block_size)
 
     def bytes_per_value(self) -> float:
         return 1.0 + 4.0 / self.block_size
@@ -133,27 +168,23 @@ class BlockwiseNF4Codec:
         return state.absmax.to(torch.float32).numpy().tobytes() + packed.numpy().tobytes()
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
-        from bitsandbytes.functional import QuantState, dequantize_4bit
-
         num_blocks, num_packed = -(-numel // self.block_size), -(-numel // 2)
         _check_length(self.name, data, 4 * num_blocks + num_packed)
         if numel == 0:
             return torch.zeros(0)
         buffer = bytearray(data)
         absmax = torch.frombuffer(buffer, dtype=torch.float32, count=num_blocks)
-        packed = torch.frombuffer(buffer, dtype=torch.uint8, offset=4 * num_blocks, count=num_packed).view(-1, 1)
-        state = QuantState(
-            absmax=absmax, shape=torch.Size([numel]), code=_nf4_code(), blocksize=self.block_size,
-            quant_type="nf4", dtype=torch.float32,
-        )
-        return dequantize_4bit(packed, state).view(-1)[:numel].clone()
+        packed = torch.frombuffer(buffer, dtype=torch.uint8, offset=4 * num_blocks, count=num_packed)
+        # bitsandbytes packs two values per byte, the first in the high nibble
+        indices = torch.stack([packed >> 4, packed & 15], dim=1).view(-1)[:numel]
+        return scaled_lookup(nf4_code(), indices, absmax, self.block_size)
 
     def bytes_per_value(self) -> float:
         return 0.5 + 4.0 / self.block_size
 
 
 class ErrorFeedback:
-    """Carries what a lossy codec did not send into the next round (error feedback, DESIGN.md §2).
+    """Carries what a lossy codec did not send into the next round (error feedback, docs/design.md §2).
 
     ``prepare`` returns the values to send, ``decoded(outer_grad + residual)``, and the candidate residual;
     ``commit`` keeps that residual once the round succeeded (a failed round sent nothing, so its residual
@@ -174,17 +205,26 @@ class ErrorFeedback:
 
 
 @functools.cache
-def _nf4_code() -> torch.Tensor:
-    from bitsandbytes.functional import get_4bit_type
-
-    return get_4bit_type("nf4", device="cpu")
+def nf4_code() -> torch.Tensor:
+    """bitsandbytes' NormalFloat4 code book (``get_4bit_type("nf4")``); its encoder uses the same values."""
+    return _code_book("".join(_NF4_CODE_HEX))
 
 
 @functools.cache
-def _dynamic_code() -> torch.Tensor:
-    from bitsandbytes.functional import create_dynamic_map
+def dynamic_code() -> torch.Tensor:
+    """bitsandbytes' signed dynamic 8-bit code book (``create_dynamic_map(signed=True)``, which builds it with
+    ``linspace`` and powers of ten: kept here as its bit patterns so that no peer computes it). Our encoder is
+    given this table too."""
+    return _code_book("".join(_INT8_CODE_HEX))
 
-    return create_dynamic_map(signed=True)
+
+def scaled_lookup(code: torch.Tensor, indices: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``code[index] * absmax[block]`` for every value, on the tensors' device: a lookup and one fp32 multiply, the
+    same bytes on every backend (docs/design.md §5). bitsandbytes' dequantize computes the same product in kernels
+    of its own."""
+    values = code[indices.long()]
+    scales = absmax.repeat_interleave(block_size)[: values.numel()]
+    return values.mul_(scales)
 
 
 def _check_length(name: str, data: bytes, expected: int) -> None:

@@ -20,6 +20,7 @@ PROGRESS_TRANSPORTS = ("push", "dht")  # how progress records travel; see Progre
 # test-only misbehaviours of a peer (scripts/attack.py, tests/integration/test_robust.py); "" = honest
 ADVERSARIES = ("", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor")
 ISLAND_SHARDINGS = ("ddp", "fsdp")  # how the ranks of a torchrun island hold the model; see p2p_diloco/island.py
+PRECISIONS = ("auto", "fp32", "bf16")  # of the inner steps' forward and backward; see Island.autocast
 
 
 # Bounds on any value from a file or a flag: larger numbers are typos, and overflow the int64, float timer and
@@ -133,6 +134,9 @@ class InnerConfig:
     round_deadline_s: float = 0.0  # a round ends at the latest this many seconds after it began; 0 = no deadline
     throttle: float = 1.0  # slow each inner step this many times (sleeping), to emulate older hardware
     fragments: int = 1  # streaming: split the params into this many fragments, averaged one per 1/P of a round
+    # the inner steps' arithmetic: bf16 autocast or fp32; auto = bf16 on a GPU, fp32 on a CPU. Only local: the
+    # params, the outer gradient and everything shared stay fp32
+    precision: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.inner_steps >= 1, f"inner.inner_steps (H) must be >= 1, got {self.inner_steps}")
@@ -144,6 +148,7 @@ class InnerConfig:
         _require(self.round_deadline_s >= 0, f"inner.round_deadline_s must be >= 0 s, got {self.round_deadline_s}")
         _require(1 <= self.throttle <= 1000, f"inner.throttle must be in [1, 1000] (1 = full speed), got {self.throttle}")
         _require(self.fragments >= 1, f"inner.fragments must be >= 1, got {self.fragments}")
+        _require(self.precision in PRECISIONS, f"inner.precision must be one of {', '.join(PRECISIONS)}, got {_show(self.precision)}")
 
 
 @dataclass(frozen=True)
@@ -260,6 +265,7 @@ class RunConfig:
     eval_batches: int = 4  # batches of the held-out tail per evaluation
     seed: int = 0  # model init seed (shared by the swarm) is seed; data order uses seed + shard
     threads: int = 1  # torch intra-op threads for this peer
+    device: str = "auto"  # where a single-process peer trains: auto (a GPU if torch sees one, else the CPU), cpu, cuda, cuda:N
     # how the ranks of a torchrun island hold the model: ddp (all of it on every rank) or fsdp (FSDP2: each rank a
     # shard of the params and inner AdamW state; rank 0 gathers them for the outer step). Needs >= 2 ranks
     island_sharding: str = "ddp"
@@ -268,6 +274,11 @@ class RunConfig:
     # say), so that it can catch up to the final state instead of stepping alone onto other bytes; 0 = leave at once
     straggler_wait_s: float = 20.0
     start_at_unix: float = 0.0  # wait until this wall-clock time (Unix seconds) before the first inner step; 0 = at once
+    # before the first inner step, wait until this many peers (this one included) are in the swarm, so that peers
+    # launched together train together from the first round; 0 or 1 = start at once
+    wait_for_peers: int = 0
+    wait_for_peers_s: float = 120.0  # give up waiting for them after this long and start with whoever is there
+    ready_file: str | None = None  # once in the swarm, write this peer's id and addresses here as JSON (ready.py)
     tensorboard_dir: str | None = None  # TensorBoard scalars per outer step land in DIR/<peer id>; None = none
     monitor_port: int = 0  # serve the swarm monitor web page on this TCP port; 0 = no monitor
     monitor_host: str = "127.0.0.1"  # address the monitor listens on (0.0.0.0: every interface; the page is read-only)
@@ -283,6 +294,10 @@ class RunConfig:
         _require(0 <= self.seed < 2**32, f"run.seed must be in [0, 2**32), got {self.seed}")
         _require(1 <= self.threads <= 1024, f"run.threads must be in [1, 1024], got {self.threads}")
         _require(
+            self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
+            f"run.device must be auto, cpu, cuda or cuda:N, got {_show(self.device)}",
+        )
+        _require(
             self.island_sharding in ISLAND_SHARDINGS,
             f"run.island_sharding must be one of {', '.join(ISLAND_SHARDINGS)}, got {_show(self.island_sharding)}",
         )
@@ -293,6 +308,8 @@ class RunConfig:
             bool(self.monitor_host) and len(self.monitor_host) <= 255 and not any(c.isspace() for c in self.monitor_host),
             f"run.monitor_host must be a host name or IP address, got {_show(self.monitor_host)}",
         )
+        _require(self.wait_for_peers >= 0, f"run.wait_for_peers must be >= 0, got {self.wait_for_peers}")
+        _require(self.wait_for_peers_s > 0, f"run.wait_for_peers_s must be > 0 seconds, got {self.wait_for_peers_s}")
         _require(
             0 <= self.start_at_unix < _YEAR_2100_UNIX,
             f"run.start_at_unix must be a Unix time in seconds (or 0), got {self.start_at_unix}",

@@ -1,9 +1,11 @@
 """Hugging Face ``transformers`` causal LMs as p2p-diloco models.
 
-A model comes from a local ``config.json`` (trained from scratch: a seeded init, so every peer of a run starts
-from the same bytes) or from a local folder written by ``save_pretrained`` (config and weights). ``CausalLM``
-wraps it so that the learner calls it like the built-in GPT: ``model(tokens, targets)`` returns the mean
-cross-entropy, ``model(tokens)`` the logits; parameters, outer steps, sha256s and checkpoints need nothing else.
+A model comes from a local ``config.json`` (trained from scratch: a seeded init drawn by portable.portable_init, so
+every peer of a run starts from the same bytes on any hardware) or from a local folder written by
+``save_pretrained`` (config and weights; a weight the folder lacks takes torch's seeded init, which is not portable
+across CPU kernels). ``CausalLM`` wraps it so that the learner calls it like the built-in GPT: ``model(tokens,
+targets)`` returns the mean cross-entropy, ``model(tokens)`` the logits; parameters, outer steps, sha256s and
+checkpoints need nothing else.
 
 Nothing is ever downloaded: the hub is switched off before ``transformers`` is imported, files are opened with
 ``local_files_only`` and no code from a config runs (``trust_remote_code=False``). ``transformers`` is imported
@@ -13,8 +15,10 @@ start-up does not pay for it. It does not tokenize (``text_data.py``), shard a m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from p2p_diloco.config import ModelConfig
+from p2p_diloco.portable import portable_init
 
 _MAX_CONFIG_JSON_BYTES = 1 << 20  # a config.json is a few KB; this bounds what a wrong path (/dev/zero) reads
 _OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -129,10 +134,11 @@ def build_transformers_model(model: ModelConfig, seed: int) -> CausalLM:
     folder lacks is initialised from the seed too), in fp32, so that every peer starts from the same bytes."""
     config = load_config(model)
     generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # for any draw portable_init does not cover (see there)
     try:
         if model.hf_config:
-            lm = _from_config(config)
+            with portable_init(seed) as draws, _portable_transformers_init(draws):
+                lm = _from_config(config)
         else:
             from transformers import AutoModelForCausalLM
 
@@ -148,6 +154,26 @@ def build_transformers_model(model: ModelConfig, seed: int) -> CausalLM:
     if any(p.dtype != torch.float32 for p in wrapped.parameters()):  # outer steps and sha256s assume fp32
         wrapped.float()
     return wrapped
+
+
+@contextlib.contextmanager
+def _portable_transformers_init(draws: Any) -> Iterator[None]:
+    """transformers' own ``init.trunc_normal_`` calls torch's, kept from before ``portable_init`` was entered; the
+    others (``normal_``, ``uniform_`` and those built on them) end in the patched tensor methods."""
+    try:
+        from transformers import initialization
+    except ImportError:  # older transformers: its inits call torch.nn.init directly
+        yield
+        return
+    table = getattr(initialization, "TORCH_INIT_FUNCTIONS", {})
+    saved = table.get("trunc_normal_")
+    if saved is not None:
+        table["trunc_normal_"] = draws.trunc_normal_
+    try:
+        yield
+    finally:
+        if saved is not None:
+            table["trunc_normal_"] = saved
 
 
 class CausalLM(nn.Module):

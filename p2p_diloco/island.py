@@ -1,7 +1,7 @@
 """A learner island of K ranks (``torchrun --nproc-per-node K``) that train one model together, with DDP or FSDP.
 
-DESIGN.md §2: "a multi-GPU island runs its devices with torch.distributed inside and talks to the swarm
-from rank 0". Every rank runs the same inner steps on its own sub-shard of the island's data shard. With DDP
+As docs/design.md §2 has it, a torchrun island runs K ranks with torch.distributed inside and talks to the
+swarm from rank 0. Every rank runs the same inner steps on its own sub-shard of the island's data shard. With DDP
 (``run.island_sharding = "ddp"``) every rank holds all the params and DDP all-reduces the gradients, so the
 local params stay bit-identical. With FSDP (``"fsdp"``, fsdp.py) each rank holds a shard of the params and of
 the inner AdamW state; rank 0 keeps a full fp32 CPU copy of the local params for the outer machinery, gathered
@@ -68,14 +68,16 @@ def collective_timeout_s(config: PeerConfig) -> float:
     inner step boundaries (joining the swarm, waiting for an averaging, a state download, settling at the end)."""
     swarm = config.swarm
     waits = swarm.startup_timeout_s + swarm.relay_wait_s + swarm.averaging_timeout_s + swarm.state_timeout_s
-    return waits + config.run.shutdown_wait_s + _MARGIN_S
+    start = config.run.wait_for_peers_s if config.run.wait_for_peers > 1 else 0.0  # rank 0 waits for the swarm first
+    return waits + start + config.run.shutdown_wait_s + _MARGIN_S
 
 
 class Island:
     """This process's place in its island: rank ``rank`` of ``size`` (a single process: rank 0 of 1)."""
 
     def __init__(
-        self, rank: int = 0, size: int = 1, local_rank: int = 0, device: torch.device | None = None, sharding: str = "ddp"
+        self, rank: int = 0, size: int = 1, local_rank: int = 0, device: torch.device | None = None, sharding: str = "ddp",
+        precision: str = "auto",
     ):
         if not 0 <= rank < size:
             raise ValueError(f"island rank {rank} is not in [0, {size})")
@@ -84,6 +86,7 @@ class Island:
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self.device = device or torch.device("cpu")
         self.sharded = sharding == "fsdp"
+        self.precision = precision  # of the inner steps (autocast): auto, fp32 or bf16
         self._synced: tuple[int, str] | None = None  # (outer step, global sha256) the other ranks hold
         self._check_due = False
         self._model: torch.nn.Module | None = None
@@ -92,12 +95,23 @@ class Island:
         self._local: ShardedLocal | None = None  # FSDP: rank 0's full copy of the local params
 
     @classmethod
-    def from_environment(cls, env: Mapping[str, str], timeout_s: float, sharding: str = "ddp") -> Island:
+    def from_environment(
+        cls, env: Mapping[str, str], timeout_s: float, sharding: str = "ddp", device: str = "auto", precision: str = "auto"
+    ) -> Island:
         """The island torchrun describes in ``env`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
-        with its process group started (gloo on CPU, nccl on GPU); a single process without them."""
+        with its process group started (gloo on CPU, nccl on GPU); a single process without them, on ``device``
+        (auto: a GPU if torch sees one). Raises ValueError for a GPU that torch does not see."""
         size = int(env.get("WORLD_SIZE", "1"))
         if size <= 1:
-            return cls(sharding=sharding)  # FSDP over one rank is refused here, before anything starts
+            if device == "auto":
+                chosen = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            else:
+                chosen = torch.device(device)
+            if chosen.type == "cuda":
+                if not torch.cuda.is_available() or (chosen.index or 0) >= torch.cuda.device_count():
+                    raise ValueError(f"--device {device}: torch sees no such GPU ({torch.cuda.device_count()} GPUs)")
+                torch.cuda.set_device(chosen)
+            return cls(device=chosen, sharding=sharding, precision=precision)  # FSDP over one rank is refused here
         rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
             device, backend = torch.device("cuda", local_rank), "nccl"
@@ -106,7 +120,7 @@ class Island:
             device, backend = torch.device("cpu"), "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         logger.info("island rank %d of %d on %s (%s), collectives time out after %.0f s", rank, size, device, backend, timeout_s)
-        return cls(rank, size, local_rank, device, sharding)
+        return cls(rank, size, local_rank, device, sharding, precision)
 
     @property
     def is_leader(self) -> bool:
@@ -202,10 +216,16 @@ class Island:
             raise ValueError(type(e).__name__) from None
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast on a GPU; fp32 on a CPU (the global params stay fp32 everywhere)."""
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        """bf16 autocast (``precision`` bf16, or auto on a GPU) or none (fp32): the inner steps' arithmetic only; the
+        params, their AdamW state, the outer gradient and the global state stay fp32 everywhere."""
+        if self.inner_precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    @property
+    def inner_precision(self) -> str:
+        """What the inner steps compute in: bf16 (asked for, or auto on a GPU) or fp32."""
+        return "bf16" if self.precision == "bf16" or (self.precision == "auto" and self.device.type == "cuda") else "fp32"
 
     def share_start(self, position: int) -> int:
         """Rank 0's data ``position`` and inner optimizer state (a resume, say) to every rank, once at start;
@@ -227,10 +247,10 @@ class Island:
         self._local.held_inner = None
         return box[0]["position"]
 
-    def sync(self, stop: bool, outer_step: int, global_sha256: str, global_params: Sequence[torch.Tensor]) -> Control:
+    def sync(self, stop: bool, outer_step: int, global_sha256: str, global_state: Sequence[torch.Tensor]) -> Control:
         """An inner step boundary: rank 0's ``stop`` and state reach every rank (followers' arguments other than
-        the params are ignored; their local params are overwritten when rank 0's changed, and with DDP their
-        global params too)."""
+        the tensors are ignored; their local params are overwritten when rank 0's changed, and with DDP their
+        ``global_state`` too: the global params and outer momentum, which ``global_sha256`` fingerprints)."""
         if self.size == 1:
             return Control(stop, outer_step)
         changed = self.is_leader and self._synced != (outer_step, global_sha256)
@@ -248,8 +268,8 @@ class Island:
             if self.is_leader:  # the other ranks of an FSDP island hold no global params
                 logger.info("island rank 0: outer step %d global sha256 %s", outer_step, global_sha256)
         elif changed:
-            self._broadcast_params(self._params + list(global_params))
-            sha = global_sha256 if self.is_leader else params_sha256(global_params)
+            self._broadcast_params(self._params + list(global_state))
+            sha = global_sha256 if self.is_leader else params_sha256(global_state)  # = outer.state_sha256
             self._synced, self._check_due = (outer_step, sha), True
             logger.info("island rank %d: outer step %d global sha256 %s", self.rank, outer_step, sha)
         elif check:

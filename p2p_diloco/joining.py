@@ -127,7 +127,7 @@ def start_dht(
                 logger.warning("could not reach the initial peers (attempt %d): retrying", attempt + 1)
                 time.sleep(1.0 + 2 * attempt)
     finally:
-        signal.signal(signal.SIGINT, previous_sigint)  # hivemind ignores SIGINT in the caller (DESIGN.md §6)
+        signal.signal(signal.SIGINT, previous_sigint)  # hivemind ignores SIGINT in the caller (docs/design.md §6)
     raise AssertionError("unreachable")
 
 

@@ -2,7 +2,9 @@
 
 Each peer runs ``peers/peer.py`` in its own process group (its averager, DHT process and ``p2pd`` go
 with it), so that stopping or killing a peer never leaves children behind. The first peer starts the
-swarm; the others join through the address it prints. This module holds no training logic.
+swarm; the others join through the address it writes to its ready file (ready.py). The peers of ``swarm.py``
+start training together (``--wait-for-peers``), and a peer that fails to join or exits with an error is named
+and makes the launcher exit non-zero. This module holds no training logic.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2p_diloco.cli import _OneLineParser, add_peer_flags, resolve_config
-from p2p_diloco.report import build_report, plot_report, read_metrics
+from p2p_diloco.ready import read_ready_file
+from p2p_diloco.report import build_report, invariant_1_status, plot_report, read_metrics
 from p2p_diloco.wan import DEFAULT_PREFIX, Wan, WanError, clean, install_iptables, unavailable_reason
 
 PEER_SCRIPT = Path(__file__).resolve().parent.parent / "peers" / "peer.py"
-_JOIN_LINE = re.compile(r"others can join with: --initial-peers (\S+)")
 
 
 @dataclass
@@ -35,6 +36,7 @@ class PeerProcess:
     process: subprocess.Popen
     metrics_file: Path
     log_file: Path
+    ready_file: Path | None = None  # where the peer says it is in the swarm, and where others can join it
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -77,40 +79,67 @@ def start_peer(
     command_prefix: list[str] | None = None,
     host: str = "127.0.0.1",
     entry: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> PeerProcess:
-    """Start ``peers/peer.py`` in its own process group, logging to ``out_dir/NAME.log`` and writing metrics to
-    ``out_dir/NAME.jsonl``; ``append`` keeps both files (a restarted peer continues them). ``command_prefix``
-    runs it inside something (``ip netns exec NS`` of an emulated network), listening on ``host``; ``entry``
-    replaces ``peers/peer.py`` by another program taking the same flags (a benchmark's baseline)."""
-    metrics_file, log_file = out_dir / f"{name}.jsonl", out_dir / f"{name}.log"
+    """Start ``peers/peer.py`` in its own process group, logging to ``out_dir/NAME.log``, writing metrics to
+    ``out_dir/NAME.jsonl`` and its ready file to ``out_dir/NAME.ready.json``; ``append`` keeps the log and metrics
+    (a restarted peer continues them). ``command_prefix`` runs it inside something (``ip netns exec NS`` of an
+    emulated network), listening on ``host``; ``entry`` replaces ``peers/peer.py`` by another program taking the
+    same flags (a benchmark's baseline); ``env`` adds to its environment (``ATEN_CPU_CAPABILITY``, say)."""
+    metrics_file, log_file, ready_file = (out_dir / f"{name}{suffix}" for suffix in (".jsonl", ".log", ".ready.json"))
     if not append:
         metrics_file.unlink(missing_ok=True)
+    ready_file.unlink(missing_ok=True)  # the new process writes its own once it is in the swarm
     command = [*(command_prefix or []), python, *(entry or [str(PEER_SCRIPT)]), *peer_args]
-    command += ["--metrics-file", str(metrics_file)]
+    command += ["--metrics-file", str(metrics_file), "--ready-file", str(ready_file)]
     command += ["--host-maddrs", f"/ip4/{host}/tcp/0"]
     initial = [initial_peer] if isinstance(initial_peer, str) else list(initial_peer or [])
     if initial:
         command += ["--initial-peers", *initial]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    environment = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
     with open(log_file, "ab" if append else "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    return PeerProcess(name, process, metrics_file, log_file)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=environment)
+    return PeerProcess(name, process, metrics_file, log_file, ready_file)
 
 
-def wait_for_address(peer: PeerProcess, timeout_s: float = 120.0, log_offset: int = 0) -> str:
-    """The multiaddr a peer prints once it is in the swarm (in its log after byte ``log_offset``); raises
-    RuntimeError if it dies or times out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = peer.log_file.read_bytes()[log_offset:].decode(errors="replace") if peer.log_file.exists() else ""
-        match = _JOIN_LINE.search(text)
-        if match:
-            return match.group(1)
-        if not peer.alive:
-            tail = text.strip().splitlines()[-1:] or ["(no output)"]
-            raise RuntimeError(f"{peer.name} exited with code {peer.process.returncode}: {tail[0]}")
+def last_log_line(peer: PeerProcess) -> str:
+    """The last line a peer wrote to its log (its one-line error, when it failed), or "(no output)"."""
+    text = peer.log_file.read_bytes()[-8192:].decode(errors="replace") if peer.log_file.exists() else ""
+    return (text.strip().splitlines()[-1:] or ["(no output)"])[0]
+
+
+def wait_for_ready(
+    peers: list[PeerProcess], timeout_s: float = 120.0, stop: Callable[[], bool] | None = None
+) -> dict[str, dict]:
+    """Each peer's ready record (ready.py) once all of them wrote one, by name; raises RuntimeError naming the
+    first peer that exited before it was in the swarm, or those not in it within ``timeout_s``, or when ``stop()``."""
+    deadline, found = time.monotonic() + timeout_s, {}
+    while True:
+        if stop is not None and stop():
+            raise RuntimeError("stopped before every peer was in the swarm")
+        for peer in peers:
+            if peer.name not in found and peer.ready_file is not None:
+                record = read_ready_file(peer.ready_file)
+                if record is not None:
+                    found[peer.name] = record
+                elif not peer.alive:
+                    raise RuntimeError(f"{peer.name} exited with code {peer.process.returncode} before it was in the "
+                                       f"swarm: {last_log_line(peer)}")
+        if len(found) == len(peers):
+            return found
+        if time.monotonic() >= deadline:
+            missing = [peer.name for peer in peers if peer.name not in found]
+            raise RuntimeError(f"{', '.join(missing)} not in the swarm within {timeout_s:.0f} s (see {missing[0]}.log)")
         time.sleep(0.2)
-    raise RuntimeError(f"{peer.name} printed no address within {timeout_s:.0f} s")
+
+
+def wait_for_address(peer: PeerProcess, timeout_s: float = 120.0, stop: Callable[[], bool] | None = None) -> str:
+    """The multiaddr others join a peer with, from its ready file; raises RuntimeError if it dies first, times
+    out, or can't be dialled (a client-mode peer)."""
+    address = wait_for_ready([peer], timeout_s, stop)[peer.name].get("join_address")
+    if not isinstance(address, str):
+        raise RuntimeError(f"{peer.name} is in the swarm but others can't dial it (client mode): no address to join")
+    return address
 
 
 class LocalSwarm:
@@ -127,12 +156,14 @@ class LocalSwarm:
         self.address: str | None = None
 
     def start(
-        self, name: str, shard: int, num_shards: int, extra: list[str] | None = None, append: bool = False
+        self, name: str, shard: int, num_shards: int, extra: list[str] | None = None, append: bool = False,
+        entry: list[str] | None = None, env: dict[str, str] | None = None,
     ) -> PeerProcess:
-        """Start a peer (``append``: a restart that continues the metrics and log of an earlier one)."""
+        """Start a peer (``append``: a restart that continues the metrics and log of an earlier one; ``entry`` and
+        ``env``: as ``start_peer``'s)."""
         flags = [*self.flags, *(extra or []), "--shard-index", str(shard), "--num-shards", str(num_shards)]
         place = dict(command_prefix=self.wan.command_prefix(shard), host=self.wan.host(shard)) if self.wan else {}
-        peer = start_peer(name, self.out_dir, flags, self.address, append=append, **place)
+        peer = start_peer(name, self.out_dir, flags, self.address, append=append, entry=entry, env=env, **place)
         if self._on_start:
             self._on_start(peer.process.pid)
         self.peers[name] = peer
@@ -241,11 +272,18 @@ def swarm_main(argv: list[str] | None = None, prog: str = "swarm.py") -> int:
     parser.add_argument("--out", default="runs/swarm", help="folder for metrics, logs, report.json and report.png")
     parser.add_argument("--late-peers", type=int, default=0, help="of the N peers, how many join late (default 0)")
     parser.add_argument("--late-after-s", type=float, default=60.0, help="seconds after the start that late peers join")
+    parser.add_argument("--peer-env", nargs="+", default=[], metavar="PEER:NAME=VALUE",
+                        help="an environment variable for one peer (numbered from 0), e.g. 1:ATEN_CPU_CAPABILITY=default "
+                        "to run peer1 on torch's kernels for CPUs without vector units")
     parser.add_argument("--config", metavar="FILE", help="TOML config passed to every peer")
     add_peer_flags(parser)
     args = parser.parse_args(argv)
     if args.peers < 1 or not 0 <= args.late_peers < args.peers:
         return _fail(prog, "--peers must be >= 1 and --late-peers in [0, peers)")
+    try:
+        args.peer_env = parse_peer_env(args.peer_env, args.peers)
+    except ValueError as e:
+        return _fail(prog, str(e))
     try:
         resolve_config(args)  # validate the peers' flags once, here, before starting anything
     except ValueError as e:
@@ -261,7 +299,19 @@ def swarm_main(argv: list[str] | None = None, prog: str = "swarm.py") -> int:
     return _run(args, peer_args, out_dir, prog)
 
 
-_SWARM_FLAGS = {"--peers", "--out", "--late-peers", "--late-after-s"}
+_SWARM_FLAGS = {"--peers", "--out", "--late-peers", "--late-after-s", "--peer-env"}
+
+
+def parse_peer_env(items: list[str], peers: int) -> dict[int, dict[str, str]]:
+    """``PEER:NAME=VALUE`` items -> {peer index: {NAME: VALUE}}; ValueError naming a malformed item."""
+    found: dict[int, dict[str, str]] = {}
+    for item in items:
+        index, _, assignment = item.partition(":")
+        name, equals, value = assignment.partition("=")
+        if not (index.isdigit() and int(index) < peers and equals and name.isidentifier()):
+            raise ValueError(f"--peer-env {item!r}: expected PEER:NAME=VALUE with PEER in [0, {peers})")
+        found.setdefault(int(index), {})[name] = value
+    return found
 _FIRST_PEER_FLAGS = {"--monitor-port", "--monitor-host"}  # one monitor page per swarm: peer0 serves it
 
 
@@ -301,6 +351,8 @@ def _fail(prog: str, message: str) -> int:
 
 
 def _run(args: argparse.Namespace, peer_args: list[str], out_dir: Path, prog: str, wan: Wan | None = None) -> int:
+    """Start the swarm, show its progress until every peer has stopped, write the report. Returns 1 (after the
+    report) when a peer failed to join or exited with an error, naming it; 0 otherwise."""
     stopping = {"signal": None}
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -311,38 +363,50 @@ def _run(args: argparse.Namespace, peer_args: list[str], out_dir: Path, prog: st
     started = time.monotonic()
     view = ProgressView()
     peer_args, first_args = _first_peer_only(peer_args)
+    on_time = args.peers - args.late_peers
+    if on_time > 1 and not any(a.split("=", 1)[0] == "--wait-for-peers" for a in peer_args):
+        peer_args += ["--wait-for-peers", str(on_time)]  # the peers started together train together from round 1
+    exited: dict[str, int] = {}  # peers that ended by themselves (not stopped by us), and how
+    failures: list[str] = []
+    envs = getattr(args, "peer_env", {}) or {}
     try:
-        def place(index: int) -> dict:
-            return dict(command_prefix=wan.command_prefix(index), host=wan.host(index)) if wan else {}
+        def start(index: int, address: str | None, extra: list[str]) -> PeerProcess:
+            place = dict(command_prefix=wan.command_prefix(index), host=wan.host(index)) if wan else {}
+            shard = ["--shard-index", str(index), "--num-shards", str(args.peers)]
+            peer = start_peer(f"peer{index}", out_dir, [*peer_args, *extra, *shard], address, env=envs.get(index), **place)
+            peers.append(peer)
+            return peer
 
-        first = start_peer("peer0", out_dir, [*peer_args, *first_args, "--shard-index", "0", "--num-shards",
-                                              str(args.peers)], None, **place(0))
-        peers.append(first)
-        address = wait_for_address(first)
-        print(f"swarm started; first peer at {address}", flush=True)
+        def stop_requested() -> bool:
+            return stopping["signal"] is not None
+
+        address = wait_for_address(start(0, None, first_args), stop=stop_requested)
+        others = [start(index, address, []) for index in range(1, on_time)]
+        wait_for_ready(others, timeout_s=120.0, stop=stop_requested)  # a peer that can't join ends the launch
+        print(f"swarm started: {on_time} peers, the first at {address}", flush=True)
         if getattr(args, "monitor_port", 0):
             host = getattr(args, "monitor_host", "127.0.0.1").replace("0.0.0.0", "127.0.0.1")
             print(f"swarm monitor (served by peer0): http://{host}:{args.monitor_port}/", flush=True)
-        pending = list(range(1, args.peers))
+        pending = list(range(on_time, args.peers))
         while True:
-            elapsed = time.monotonic() - started
-            for index in list(pending):
-                if index < args.peers - args.late_peers or elapsed >= args.late_after_s:
-                    shard = ["--shard-index", str(index), "--num-shards", str(args.peers)]
-                    peers.append(start_peer(f"peer{index}", out_dir, [*peer_args, *shard], address, **place(index)))
-                    pending.remove(index)
+            while pending and time.monotonic() - started >= args.late_after_s:
+                start(pending.pop(0), address, [])
+            for peer in peers:
+                if not peer.alive and peer.name not in exited:
+                    exited[peer.name] = peer.process.returncode
+                    if peer.process.returncode != 0:
+                        failures.append(f"{peer.name} exited with code {peer.process.returncode}: {last_log_line(peer)}")
             view.show(peers)
             if stopping["signal"] is not None or (not pending and not any(p.alive for p in peers)):
                 break
             time.sleep(1.0)
     except RuntimeError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        return_code = 1
-    else:
-        return_code = 0
+        failures.append(str(e))
     finally:
         if stopping["signal"] is not None:
             print("stopping the swarm ...", flush=True)
+        for peer in peers:
+            peer.terminate()  # all at once, so that none trains on alone meanwhile
         for peer in peers:
             peer.stop()
         for signum, handler in previous.items():
@@ -350,7 +414,7 @@ def _run(args: argparse.Namespace, peer_args: list[str], out_dir: Path, prog: st
     view.show(peers, force=True)
     exit_codes = {p.name: p.process.returncode for p in peers}
     extra = dict(peers_started=len(peers), wall_time_s=round(time.monotonic() - started, 1), exit_codes=exit_codes,
-                 peer_args=peer_args)
+                 peer_args=peer_args, failures=failures)
     if wan is not None:
         extra["wan"] = [dict(link, wire_bytes_sent=sent, wire_bytes_received=received)
                         for link, (sent, received) in zip(wan.describe(), map(wan.wire_bytes, range(len(peers))))]
@@ -359,19 +423,21 @@ def _run(args: argparse.Namespace, peer_args: list[str], out_dir: Path, prog: st
     if report["peers"]:
         plot_report(report, out_dir / "report.png")
     _print_summary(report, out_dir)
-    return return_code
+    for failure in failures:
+        print(f"{prog}: error: {failure}", file=sys.stderr, flush=True)
+    return 1 if failures else 0
 
 
 def _print_summary(report: dict, out_dir: Path) -> None:
-    invariant = report["invariant_1"]
-    print(f"invariant 1 (identical global params per outer step): {'held' if invariant['held'] else 'VIOLATED'} "
-          f"over {invariant['outer_steps_checked']} outer steps")
+    print(f"invariant 1 (identical global params and momentum per outer step): {invariant_1_status(report)}")
     if report["initial_eval_loss"] is not None:
         print(f"eval loss: {report['initial_eval_loss']:.3f} (untrained) -> {report['final_eval_loss']:.3f}")
     for name, peer in sorted(report["peers"].items()):
+        healing = f", {peer['forks_healed']} forks healed" if peer["forks_healed"] else ""
+        mismatches = f", {peer['arithmetic_mismatches']} outer steps computed otherwise" if peer["arithmetic_mismatches"] else ""
         print(f"  {name}: outer step {peer['final_outer_step']}, {peer['tokens']:,} tokens, "
               f"{peer['tokens_per_s']:.0f} tok/s, blocked {100 * (peer['blocked_fraction'] or 0):.1f}%, "
-              f"{peer['bytes_sent_per_round'] or 0:,} B sent/round, group {peer['mean_group_size']}")
+              f"{peer['bytes_sent_per_round'] or 0:,} B sent/round, group {peer['mean_group_size']}{healing}{mismatches}")
     for link in report.get("wan", []):
         cap = f"{link['bandwidth_mbit']} Mbit/s" if link["bandwidth_mbit"] else "uncapped"
         print(f"  peer{link['peer']} link ({cap}, {link['address']}): {link['wire_bytes_sent']:,} B sent, "

@@ -1,4 +1,4 @@
-"""One learner island: the decoupled DiLoCo loop of DESIGN.md §2.
+"""One learner island: the decoupled DiLoCo loop of docs/design.md §2.
 
     loop (one inner step at a time):
       inner AdamW step on this peer's shard; round_tokens += tokens
@@ -41,7 +41,7 @@ from p2p_diloco.island import Control, Island
 from p2p_diloco.link import AveragingOutcome, Link, LocalLink, SwarmState
 from p2p_diloco.metrics import MetricsSink
 from p2p_diloco.model import build_model
-from p2p_diloco.outer import OuterOptimizer, Segment, params_sha256
+from p2p_diloco.outer import OuterOptimizer, Segment, state_sha256
 from p2p_diloco.watch import pack_stats
 
 logger = logging.getLogger(__name__)
@@ -138,9 +138,9 @@ class Learner:
         self.island.attach(self.model, self.inner, self.global_params)
         self.outer = OuterOptimizer(self.global_params, config.outer)
         self.outer_step = 0
-        self.global_sha256 = params_sha256(self.global_params)
+        self.global_sha256 = state_sha256(self.global_params, self.outer.momentum_buffers)  # published: invariant 1
         self.tokens_total = 0
-        # streaming fragments (DESIGN.md §1, Streaming DiLoCo): outer step r averages fragment r % P only
+        # streaming fragments (docs/design.md §1, Streaming DiLoCo): outer step r averages fragment r % P only
         self.fragments = partition_fragments(self.global_params, config.inner.fragments)
         self.unsynced_by_fragment = [0] * len(self.fragments)  # tokens of local progress not yet in each fragment
         self.peak_send_rate = 0.0  # bytes/s: the largest ~1 s burst of averaging traffic since the last record
@@ -155,6 +155,9 @@ class Learner:
         self.compute_s = self.blocked_s = 0.0
         self.eval_s = 0.0  # time spent evaluating: measurement, neither training nor waiting
         self.catch_ups = self.forks_healed = 0
+        # outer steps this peer's own group made whose bytes came out other here than on its groupmates: the same
+        # averaged bytes applied to the same state, so this machine's arithmetic differs (docs/design.md §5)
+        self.arithmetic_mismatches: list[int] = []
         self.resumed_from: str | None = None
         self.peer_id = "?"
         self.pending: PendingAveraging | None = None
@@ -220,6 +223,7 @@ class Learner:
         resumed = f"resumed from {self.resumed_from}" if self.resumed_from else ""
         self._write(link, AveragingOutcome(None, (), 0.0, "init", resumed))
         self._publish_step(link)
+        self._wait_for_peers(link)
         settled = False
         try:
             # first, so that the other ranks wait at the first boundary while rank 0 catches up (FSDP: to serve it)
@@ -235,6 +239,7 @@ class Learner:
                     self._end_round(link)
                 stop = self._sync_island(self._should_stop()).stop  # the other ranks of the island do as rank 0 says
             self._settle_pending(link)
+            self._confirm_last_step(link)
             settled = True
         finally:
             # an FSDP island's checkpoint gathers from the other ranks: only while they wait at a boundary
@@ -264,12 +269,33 @@ class Learner:
             logger.info("waiting %.0f s for the agreed start time", wait_s)
             self.stop.wait(wait_s)
 
+    def _wait_for_peers(self, link: Link) -> None:
+        """Before the first inner step, wait (bounded by ``wait_for_peers_s``) until ``wait_for_peers`` peers, this
+        one included, are in the swarm: peers launched together then train together from the first round, instead
+        of the first one up averaging alone (and perhaps finishing) before the others have imported torch. The
+        clocks of ``max_time_s`` and tokens/s start after the wait."""
+        wanted, run = self.config.run.wait_for_peers, self.config.run
+        deadline = time.monotonic() + run.wait_for_peers_s
+        present = 1
+        while wanted > 1 and not self.stop.is_set():
+            present = 1 + link.round_view(self.round_index).live_peers
+            if present >= wanted:
+                logger.info("%d peers in the swarm: starting", present)
+                break
+            if time.monotonic() >= deadline:
+                logger.warning("%d of the %d peers awaited are in the swarm after %.0f s: starting with them", present,
+                               wanted, run.wait_for_peers_s)
+                break
+            self.stop.wait(0.2)
+        self._started = time.monotonic()
+
     def _share_start(self) -> None:
         """Rank 0's inner optimizer state and data position to the island's other ranks (a resume, say)."""
         self.dataset.train.position = self.island.share_start(self.dataset.train.position)
 
     def _sync_island(self, stop: bool) -> Control:
-        return self.island.sync(stop, self.outer_step, self.global_sha256, self.global_params)
+        # the followers of a DDP island receive the momentum too: their copy of the shared state hashes like ours
+        return self.island.sync(stop, self.outer_step, self.global_sha256, [*self.global_params, *self.outer.momentum_buffers])
 
     def _settle_pending(self, link: Link) -> None:
         """At the end of a run, give an averaging still in flight a bounded time to land, so that its result
@@ -287,6 +313,20 @@ class Learner:
         finally:
             self._add_blocked(time.monotonic() - started)
         self._complete_averaging(link)
+
+    def _confirm_last_step(self, link: Link) -> None:
+        """At the planned end, wait a moment (a few progress periods at most) for the groupmates of our last round to
+        report the step it made, and heal a fork there as at any round's end: the last step is checked like the
+        others, so that no peer leaves with other bytes than its group's (and none goes unsaid)."""
+        run = self.config.run
+        groupmates = set(self.round_history.get(self.outer_step - 1, ())) - {link.peer_id}
+        if not (run.max_outer_steps and self.outer_step >= run.max_outer_steps and groupmates) or self.stop.is_set():
+            return
+        deadline = time.monotonic() + max(3.0, 3 * self.config.swarm.progress_period_s)
+        while groupmates - set(link.reported_sha256(self.outer_step)) and time.monotonic() < deadline:
+            if self.stop.wait(0.2):
+                return
+        self._catch_up(link)
 
     def _serve_stragglers(self, link: Link) -> None:
         """At the planned end (max_outer_steps reached, no stop request), stay a bounded while as a state donor
@@ -403,7 +443,7 @@ class Learner:
         local = self.island.local_params()
         snapshot = [s.of(local).detach().clone() for s in segments]
         outer_grads = [s.of(self.global_params) - local.cpu() for s, local in zip(segments, snapshot)]
-        # The weight is the tokens of the rounds this outer gradient stands for (DESIGN.md §2: w_i = tokens this
+        # The weight is the tokens of the rounds this outer gradient stands for (docs/design.md §2: w_i = tokens this
         # round), not all the progress it carries. After failed rounds the carried progress is k rounds' worth;
         # weighted by all of it, a mean of deltas counts it k times over: a peer that had chased the swarm for 6
         # rounds declared 296k tokens against the others' 36k and 45k, weighed 66-78% in that outer step even
@@ -447,7 +487,7 @@ class Learner:
             with self._state_lock:
                 self.outer.step(self._unpack(outcome.averaged, segments), segments)
                 self.outer_step += 1
-                self.global_sha256 = params_sha256(self.global_params)
+                self.global_sha256 = state_sha256(self.global_params, self.outer.momentum_buffers)
             with torch.no_grad():  # local_params <- new_global + (local_params - snapshot): keep the work done since
                 for segment, snapshot in zip(segments, pending.snapshot):
                     param = segment.of(local)
@@ -478,6 +518,8 @@ class Learner:
         forked = not behind and link.canonical_sha(self.outer_step, self.global_sha256) != self.global_sha256
         if not (behind or forked):
             return False
+        if forked:
+            self._note_arithmetic_mismatch(link)
         started = time.monotonic()
         state = link.download_state(len(self.params))
         self._add_blocked(time.monotonic() - started)
@@ -520,6 +562,29 @@ class Learner:
         if self.config.run.checkpoint_dir:  # a restart after this resumes here, not from before the download
             self.save_checkpoint()
         return True
+
+    def _note_arithmetic_mismatch(self, link: Link) -> None:
+        """Say so, once per outer step, when the swarm holds other bytes for a step that this peer's own group made.
+
+        Every member of a group declared the same state before the step (the base of its group request) and got
+        the same averaged bytes back (averaging.py), so a member whose state after it differs from its groupmates'
+        computed the step differently: a kernel that breaks the portable arithmetic (docs/design.md §5), or a
+        machine that miscomputes. The fork heals by download all the same; this says why it happened."""
+        step = self.outer_step
+        groupmates = set(self.round_history.get(step - 1, ())) - {link.peer_id}
+        if not groupmates or step in self.arithmetic_mismatches:
+            return
+        reported = {peer: sha for peer, sha in link.reported_sha256(step).items() if peer in groupmates}
+        others = sorted({sha for sha in reported.values() if sha != self.global_sha256})
+        if not others:
+            return
+        self.arithmetic_mismatches.append(step)
+        differ = sum(sha != self.global_sha256 for sha in reported.values())
+        logger.warning(
+            "this peer's hardware computed outer step %d differently from %d of %d groupmates (ours %s, theirs %s): "
+            "same inputs, other bytes; taking the swarm's state", step, differ, len(reported), self.global_sha256[:12],
+            ", ".join(sha[:12] for sha in others),
+        )
 
     def _unconfirmed_was_applied(self, state: SwarmState, peer_id: str) -> PendingAveraging | None:
         """The failed averaging whose outer gradient the swarm applied after all, per the donor's history.
@@ -618,6 +683,7 @@ class Learner:
             tokens_per_s=round(self.tokens_total / elapsed, 1) if elapsed > 0 else 0.0,
             catch_ups=self.catch_ups,
             forks_healed=self.forks_healed,
+            arithmetic_mismatches=len(self.arithmetic_mismatches),  # steps of our own group we computed otherwise
             global_sha256=self.global_sha256,
         )
         self.metrics.write(record)
@@ -686,8 +752,8 @@ class Learner:
         for name, tensors in (("global params", global_params), ("outer momentum", momentum)):
             if [tuple(t.shape) for t in tensors] != shapes or any(t.dtype != torch.float32 for t in tensors):
                 raise ValueError(f"checkpoint {path} holds {name} of another model than this config builds")
-        if params_sha256(global_params) != saved_sha:
-            raise ValueError(f"checkpoint {path} is damaged: its global params do not match their sha256")
+        if state_sha256(global_params, momentum) != saved_sha:
+            raise ValueError(f"checkpoint {path} is damaged: its global params and momentum do not match their sha256")
         if any(not torch.isfinite(t).all() for t in global_params + momentum):
             raise ValueError(f"checkpoint {path} holds non-finite global params or momentum")
         if len(unsynced) != len(self.fragments):

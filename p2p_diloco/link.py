@@ -70,6 +70,8 @@ class Link(Protocol):
 
     def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None: ...
 
+    def reported_sha256(self, outer_step: int) -> dict[str, str]: ...
+
     def download_state(self, num_params: int) -> SwarmState | None: ...
 
     def publish(self, **fields: object) -> None: ...
@@ -100,6 +102,9 @@ class ImmediateAveraging:
 
     def peers_behind(self, outer_step: int) -> int:
         return 0
+
+    def reported_sha256(self, outer_step: int) -> dict[str, str]:
+        return {}
 
 
 class LocalLink(ImmediateAveraging):

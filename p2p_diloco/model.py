@@ -1,7 +1,8 @@
 """A small GPT-style decoder built from ModelConfig (pre-LayerNorm, causal attention, tied embeddings).
 
 It deliberately stays minimal: no dropout, no KV cache, no weight loading. Parameter order is fixed by
-construction, so every peer that builds it from the same config and seed gets identical tensors.
+construction, and its random init draws portable bytes (portable.portable_init), so every peer that builds it
+from the same config and seed gets identical tensors on any CPU or GPU (docs/design.md §5).
 ``build_model`` also builds a Hugging Face transformers model when the config names one (hf_model.py).
 """
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from p2p_diloco.config import ModelConfig
+from p2p_diloco.portable import portable_init
 
 
 class CausalSelfAttention(nn.Module):
@@ -77,18 +79,16 @@ class GPT(nn.Module):
 
 
 def build_model(config: ModelConfig, seed: int) -> nn.Module:
-    """Build the model with a seeded init, so that every peer of a run starts from the same bytes: the built-in
-    GPT, or the transformers model that ``config`` names. Either is called as ``model(tokens, targets)``."""
+    """Build the model with a seeded init, so that every peer of a run starts from the same bytes on any hardware:
+    the built-in GPT, or the transformers model that ``config`` names. Either is called as ``model(tokens, targets)``."""
     if config.transformers_model:
         from p2p_diloco.hf_model import build_transformers_model  # imports transformers: only when asked for
 
         return build_transformers_model(config, seed)
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    # torch's normal_ is not portable (its vectorised kernel and its default one compute different transcendental
+    # functions): every draw of the constructor comes from portable_init, and torch's generator is left untouched
+    with portable_init(seed):
         return GPT(config)
-    finally:
-        torch.random.set_rng_state(generator_state)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -1,8 +1,10 @@
 """The outer step of DiLoCo: Nesterov-momentum SGD on the global parameters, and their fingerprint.
 
-Global parameters and momentum are kept as fp32 CPU tensors and updated only with elementwise IEEE
-operations, so every peer that starts from the same bytes and applies the same averaged outer gradient
-ends with the same bytes (invariant 1). This module knows nothing of the network.
+Global parameters and momentum are fp32 tensors updated with single, separately rounded IEEE fp32 operations
+(portable.py, docs/design.md §5), so every peer that starts from the same bytes and applies the same averaged
+outer gradient ends with the same bytes on any CPU, thread count or GPU (invariant 1). The fingerprint of the
+shared state covers the momentum as well as the params: a momentum that drifted apart shows at the step where
+it drifts, not steps later in the params. This module knows nothing of the network.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from p2p_diloco.config import OuterConfig
+from p2p_diloco.portable import fp32
 
 
 class Segment(NamedTuple):
@@ -32,11 +35,17 @@ class OuterOptimizer:
     """SGD with Nesterov momentum, the same arithmetic as ``torch.optim.SGD(nesterov=True, dampening=0)``:
 
     m <- mu * m + g ;  theta <- theta - lr * (g + mu * m)      (DiLoCo §2, outer lr 0.7, mu 0.9)
+
+    Each of the five operations is one fp32 multiply or add, rounded on its own (docs/design.md §5): never
+    ``add(alpha=)``, which AVX2 kernels fuse into one FMA and the default kernel does not, and never a Python
+    float, which a kernel may apply in double. Its bytes are the same on every backend; its values are within
+    an ulp or two of torch's SGD.
     """
 
     def __init__(self, global_params: Sequence[torch.Tensor], config: OuterConfig):
         self.params = list(global_params)
         self.lr, self.momentum = config.lr, config.momentum
+        self._lr, self._momentum = fp32(config.lr), fp32(config.momentum)
         self.momentum_buffers = [torch.zeros_like(p) for p in self.params]
         self.steps_taken = 0
 
@@ -52,12 +61,13 @@ class OuterOptimizer:
         if len(outer_grads) != len(targets):
             raise ValueError(f"expected {len(targets)} outer gradients, got {len(outer_grads)}")
         for (param, buffer), grad in zip(targets, outer_grads):
+            grad = grad.to(param.device, torch.float32)
             update = grad
             if self.momentum:
                 # the buffer starts at zero, so the first step leaves it equal to the gradient, as torch's SGD does
-                buffer.mul_(self.momentum).add_(grad)
-                update = grad.add(buffer, alpha=self.momentum)
-            param.add_(update, alpha=-self.lr)
+                buffer.mul_(self._momentum).add_(grad)  # m <- mu * m + g: a multiply, then an add
+                update = buffer.mul(self._momentum).add_(grad)  # g + mu * m
+            param.sub_(update.mul(self._lr))  # theta <- theta - lr * update
         self.steps_taken += 1
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -70,8 +80,14 @@ class OuterOptimizer:
 
 
 def params_sha256(tensors: Sequence[torch.Tensor]) -> str:
-    """sha256 over the raw bytes of the tensors, in order: equal iff every byte is equal."""
+    """sha256 over the raw (little-endian) bytes of the tensors, in order: equal iff every byte is equal."""
     digest = hashlib.sha256()
     for tensor in tensors:
         digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
     return digest.hexdigest()
+
+
+def state_sha256(global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> str:
+    """The fingerprint of the state every peer shares at an outer step, published as ``global_sha256``: the global
+    params and the outer momentum, everything the next outer step reads (docs/design.md §3, invariant 1)."""
+    return params_sha256([*global_params, *momentum])

@@ -34,6 +34,10 @@ def check_local_inputs(config: PeerConfig) -> None:
         checkpoint.check_folder(config.run.checkpoint_dir, config.run.resume)
     if config.run.metrics_file:
         _check_output_file(Path(config.run.metrics_file), "metrics file")
+    if config.run.ready_file:
+        _check_output_file(Path(config.run.ready_file), "ready file")
+        if not Path(config.run.ready_file).parent.is_dir():
+            raise ValueError(f"ready file {config.run.ready_file} cannot be written: its folder does not exist")
     if config.run.tensorboard_dir:
         check_tensorboard_dir(Path(config.run.tensorboard_dir))
     check_model_and_data(config)

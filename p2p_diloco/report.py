@@ -26,7 +26,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def check_invariant_1(records_by_peer: dict[str, list[dict]]) -> dict[str, Any]:
-    """Every peer that reports outer step r must report the same global_sha256 for it (DESIGN.md §3.1).
+    """Every peer that reports outer step r must report the same global_sha256 for it (docs/design.md §3, invariant 1).
 
     A peer may replace its bytes for a step only through an explicit ``fork_healed`` record (it found that
     the swarm held other bytes for that step and downloaded them): such steps are counted as healed forks.
@@ -50,13 +50,25 @@ def check_invariant_1(records_by_peer: dict[str, list[dict]]) -> dict[str, Any]:
     for step, by_peer in final.items():
         if len(set(by_peer.values())) > 1:
             forks[step].update(by_peer.values())
+    several = sum(len(by_peer) > 1 for by_peer in final.values())
     return dict(
-        held=not forks,
+        # "not checked" when no outer step was reported by two peers: a peer alone agrees with itself
+        status="VIOLATED" if forks else "held" if several else "not checked",
+        held=not forks,  # no fork found (also when nothing could be compared: see status)
         outer_steps_checked=len(final),
-        outer_steps_reported_by_several_peers=sum(len(by_peer) > 1 for by_peer in final.values()),
+        outer_steps_reported_by_several_peers=several,
         forks={str(step): sorted(found) for step, found in sorted(forks.items())},
         healed_forks=sorted(healed),
     )
+
+
+def invariant_1_status(report: dict[str, Any]) -> str:
+    """One line on invariant 1 for people: held (and over how many steps), VIOLATED, or not checked."""
+    invariant = report["invariant_1"]
+    status = invariant.get("status", "held" if invariant["held"] else "VIOLATED")
+    if status == "not checked":
+        return "not checked (no outer step was reported by two or more peers)"
+    return f"{status} over {invariant['outer_steps_reported_by_several_peers']} outer steps reported by two or more peers"
 
 
 def summarise_peer(records: list[dict]) -> dict[str, Any]:
@@ -72,6 +84,9 @@ def summarise_peer(records: list[dict]) -> dict[str, Any]:
         ok_rounds=len(ok_rounds),
         failed_rounds=len(rounds) - len(ok_rounds),
         catch_ups=last.get("catch_ups", 0),
+        forks_healed=last.get("forks_healed", 0),
+        arithmetic_mismatches=last.get("arithmetic_mismatches", 0),  # own group's steps this peer computed otherwise
+        group_sizes=sorted({r["group_size"] for r in ok_rounds}),
         tokens=last.get("tokens", 0),
         time_s=last.get("time_s", 0.0),
         tokens_per_s=last.get("tokens_per_s", 0.0),
@@ -126,7 +141,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
         axis.set_ylabel("loss (nats per byte)")
         axis.grid(alpha=0.3)
     by_time.legend(fontsize=8)
-    invariant = "held" if report["invariant_1"]["held"] else "VIOLATED"
+    invariant = report["invariant_1"].get("status", "held" if report["invariant_1"]["held"] else "VIOLATED")
     losses = " -> ".join(f"{v:.3f}" for v in (report["initial_eval_loss"], report["final_eval_loss"]) if v is not None)
     figure.suptitle(f"p2p-diloco local swarm: eval loss {losses}; invariant 1 (identical global params) {invariant}")
     figure.tight_layout()

@@ -1,5 +1,5 @@
 """Robust averaging of one all-reduce part: what a reducer accepts from its senders, and what a sender accepts
-back from a reducer (DESIGN.md §3, invariant 5: garbage in never spreads).
+back from a reducer (docs/design.md §3, invariant 5: garbage in never spreads; §7).
 
 A reducer averages one part of the outer gradient for its whole group. hivemind adds whatever arrives, with
 whatever weight the sender declares: one NaN sender turns every result into NaN, a weight of 1e6 takes the

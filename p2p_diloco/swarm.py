@@ -19,7 +19,6 @@ import random
 import signal
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from functools import partial
@@ -34,6 +33,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
+from p2p_diloco import history
 from p2p_diloco.averaging import WireCodec, part_values_for, run_averaging
 from p2p_diloco.compression import ErrorFeedback, make_codec
 from p2p_diloco.config import SwarmConfig
@@ -41,7 +41,7 @@ from p2p_diloco.guarded import GuardedAllReduceRunner, GuardedAverager
 from p2p_diloco.joining import SwarmStartError, first_line, join_swarm, start_dht  # noqa: F401 (re-exported)
 from p2p_diloco.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
 from p2p_diloco.membership import RunMembership
-from p2p_diloco.outer import params_sha256
+from p2p_diloco.outer import state_sha256
 from p2p_diloco.robust import TokenLedger, banned_by_majority
 
 logger = logging.getLogger(__name__)
@@ -497,25 +497,16 @@ class SwarmLink:
         self._averager.state_sharing_priority = float(outer_step) + (0.5 if canonical else 0.0)
 
     def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
-        """The global params' sha256 that the swarm holds for ``outer_step``: the one most live peers report
-        (ties: the smallest hash). Every peer with the same view picks the same one, so a fork heals one way."""
-        votes = Counter(
-            str(r.get("global_sha256")) for r in self.live_peers().values() if r.get("outer_step") == outer_step
-        )
-        if own_sha:
-            votes[own_sha] += 1
-        if not votes:
-            return None
-        return min(votes, key=lambda sha: (-votes[sha], sha))
+        """The state sha256 the live peers hold for ``outer_step`` (history.canonical_sha)."""
+        return history.canonical_sha(self.live_peers(), outer_step, own_sha)
+
+    def reported_sha256(self, outer_step: int) -> dict[str, str]:
+        """The state sha256 each live peer reports for ``outer_step``, by peer id."""
+        return history.reported_sha256(self.live_peers(), outer_step)
 
     def agreed_sha(self, outer_step: int) -> str | None:
-        """The sha256 that at least half of the live peers reporting ``outer_step`` published for it (the
-        canonical one on a tie), or None: a minority, a lone donor among others say, is never believed."""
-        votes = Counter(
-            str(r.get("global_sha256")) for r in self.live_peers().values() if r.get("outer_step") == outer_step
-        )
-        canonical = min(votes, key=lambda sha: (-votes[sha], sha)) if votes else None
-        return canonical if canonical is not None and 2 * votes[canonical] >= sum(votes.values()) else None
+        """The sha256 at least half of the live peers reporting ``outer_step`` published (history.agreed_sha)."""
+        return history.agreed_sha(self.live_peers(), outer_step)
 
     def live_peers(self) -> dict[str, dict]:
         """Progress records of the other peers whose record has not expired, who have not said they left and whom
@@ -551,9 +542,8 @@ class SwarmLink:
         return sum(int(r.get("outer_step", -1)) < outer_step for r in list(beacon.peers.values()))
 
     def swarm_outer_step(self) -> int:
-        """The highest outer step that any live peer reports (-1 when alone)."""
-        steps = [int(record.get("outer_step", -1)) for record in self.live_peers().values()]
-        return max(steps, default=-1)
+        """The highest outer step that any live peer reports (-1 when alone; history.swarm_outer_step)."""
+        return history.swarm_outer_step(self.live_peers())
 
     # averaging ------------------------------------------------------------------------------------
 
@@ -782,19 +772,19 @@ class SwarmLink:
     def _verified_state(
         self, metadata: object, tensors: Sequence[torch.Tensor], num_params: int, donor: str
     ) -> SwarmState | str:
-        """The donor's state if its params hash to the sha256 that the swarm's peers published for its outer step
-        (``agreed_sha``), otherwise why not."""
+        """The donor's state if its params and momentum hash to the sha256 that the swarm's peers published for its
+        outer step (``agreed_sha``), otherwise why not."""
         if not isinstance(metadata, dict) or len(tensors) != 2 * num_params:
             return "malformed state"
         params, momentum = [t.float() for t in tensors[:num_params]], [t.float() for t in tensors[num_params:]]
-        digest = params_sha256(params)
+        digest = state_sha256(params, momentum)
         try:
             outer_step = int(metadata.get("outer_step", -1))
         except (TypeError, ValueError):
             return "malformed outer step"
         expected = self.agreed_sha(outer_step)
         if digest != expected or digest != metadata.get("global_sha256"):
-            return f"its params for outer step {outer_step} do not hash to the sha256 the swarm's peers published"
+            return f"its params and momentum for outer step {outer_step} do not hash to the sha256 the swarm's peers published"
         return SwarmState(
             outer_step=outer_step,
             global_params=params,

@@ -27,10 +27,18 @@ def _root_rules() -> str:
                      for table in ("filter", "nat"))
 
 
+def _averaged_by_all_four(records: dict[str, list[dict]]) -> set[int]:
+    """The outer steps that every one of the 4 peers averaged in a group of 4."""
+    in_fours = [{r["outer_step"] for r in rs if r["status"] == "ok" and r["group_size"] == 4} for rs in records.values()]
+    return set.intersection(*in_fours) if len(in_fours) == 4 else set()
+
+
 def test_peers_behind_nat_take_part_in_every_round(tmp_path, reaper):
     prefix = f"p2pn{os.getpid() % 10000}"
     rules_before = _root_rules()
-    flags = [*FAST_PEER_FLAGS, "--inner-steps", "80", "--max-outer-steps", "12", "--relay-wait-s", "3"]
+    # the swarm runs until every peer has averaged two outer steps in a group of 4 (bounded): how many steps the
+    # founders make before the late peer is in depends on the machine's speed (2.5 s rounds on a fast one)
+    flags = [*FAST_PEER_FLAGS, "--inner-steps", "80", "--max-outer-steps", "60", "--relay-wait-s", "3"]
     with Wan(4, 20.0, prefix=prefix, subnet=84, nat=[2, 3]) as wan:
         swarm = LocalSwarm(tmp_path, flags, on_start=reaper.append, wan=wan)
         try:
@@ -39,7 +47,7 @@ def test_peers_behind_nat_take_part_in_every_round(tmp_path, reaper):
                 swarm.start(f"peer{index}", index, 4, extra=start_at)
             swarm.wait_until(lambda: swarm.outer_step("peer0") >= 2, 150, "two outer steps")
             swarm.start("peer3", 3, 4)  # behind NAT and late: it must download the state to join
-            swarm.wait_all_exited(240)
+            swarm.wait_until(lambda: len(_averaged_by_all_four(swarm.all_records())) >= 2, 240, "two rounds of 4")
         finally:
             codes = swarm.stop_all()
         described = wan.describe()
@@ -55,10 +63,7 @@ def test_peers_behind_nat_take_part_in_every_round(tmp_path, reaper):
 
     records = swarm.all_records()
     assert check_invariant_1(records)["held"], swarm.log_tails()
-    in_fours = {name: {r["outer_step"] for r in rs if r["status"] == "ok" and r["group_size"] == 4}
-                for name, rs in records.items()}
-    together = set.intersection(*in_fours.values())
-    assert together, f"no outer step averaged by all 4 peers: {in_fours}\n{swarm.log_tails()}"
+    assert len(_averaged_by_all_four(records)) >= 2, swarm.log_tails()
     assert any(r["status"] == "caught_up" for r in records["peer3"]), "the late NATed peer never downloaded state"
     evaluated = [r["eval_loss"] for r in records["peer0"] if r.get("eval_loss") is not None]
     assert evaluated[-1] < evaluated[0] - 0.5, f"held-out loss did not fall: {evaluated}"

@@ -1,4 +1,4 @@
-"""Hostile groupmates and strangers (DESIGN.md §3.5): robust reducers, checked results, members only.
+"""Hostile groupmates and strangers (docs/design.md §7): robust reducers, checked results, members only.
 
 The first tests run real averagers and DHTs in this process (a few seconds each); the last one runs a real local
 swarm of peer processes with two adversaries beside two honest peers.

@@ -11,7 +11,7 @@ from p2p_diloco.config import InnerConfig
 from p2p_diloco.learner import Learner, PendingAveraging
 from p2p_diloco.link import AveragingOutcome, ImmediateAveraging, SwarmState
 from p2p_diloco.metrics import NullSink
-from p2p_diloco.outer import params_sha256
+from p2p_diloco.outer import state_sha256
 
 from .helpers import assert_all_close, make_dataset, snapshot
 
@@ -80,7 +80,7 @@ def _swarm_state(learner: Learner, outer_step: int, steps_into_round: int) -> Sw
         momentum=momentum,
         outer_steps_taken=outer_step,
         steps_into_round=steps_into_round,
-        global_sha256=params_sha256(new_global),
+        global_sha256=state_sha256(new_global, momentum),
         donor="donor-peer",
     )
 
@@ -97,7 +97,7 @@ def test_catch_up_takes_the_swarm_state_and_rebases_local_progress(make_config):
 
     assert link.downloads == 1 and not link.averaged
     assert_all_close(learner.global_params, expected_global, rtol=0, atol=0)  # exactly the downloaded bytes
-    assert learner.global_sha256 == state.global_sha256 == params_sha256(learner.global_params)
+    assert learner.global_sha256 == state.global_sha256 == state_sha256(learner.global_params, learner.outer.momentum_buffers)
     assert learner.outer_step == 7
     assert learner.outer.steps_taken == 7
     assert_all_close(learner.outer.state_tensors(), expected_momentum, rtol=0, atol=0)

@@ -11,7 +11,7 @@ from p2p_diloco.learner import Learner
 from p2p_diloco.link import AveragingOutcome, LocalLink, SwarmState
 from p2p_diloco.metrics import NullSink
 from p2p_diloco.model import build_model
-from p2p_diloco.outer import params_sha256
+from p2p_diloco.outer import state_sha256
 
 from .helpers import assert_all_close, make_dataset, plain_adamw, snapshot
 
@@ -65,7 +65,7 @@ def test_failed_round_keeps_global_state_and_local_progress(make_config):
     assert [c["weight"] for c in link.calls] == [float(round_tokens)]
     assert learner.pending is None
     assert learner.outer_step == 0 and learner.outer.steps_taken == 0
-    assert learner.global_sha256 == sha_before == params_sha256(learner.global_params)
+    assert learner.global_sha256 == sha_before == state_sha256(learner.global_params, learner.outer.momentum_buffers)
     assert_all_close(learner.global_params, global_before, rtol=0, atol=0)
     assert_all_close(learner.outer.state_tensors(), momentum_before, rtol=0, atol=0)
     assert_all_close(learner.params, local_before, rtol=0, atol=0)  # not reset to the global params

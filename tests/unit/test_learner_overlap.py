@@ -18,7 +18,7 @@ from p2p_diloco.config import InnerConfig, OuterConfig, RunConfig
 from p2p_diloco.learner import Learner
 from p2p_diloco.link import AveragingOutcome, RoundView, SwarmState
 from p2p_diloco.metrics import NullSink
-from p2p_diloco.outer import OuterOptimizer, params_sha256
+from p2p_diloco.outer import OuterOptimizer, state_sha256
 
 from .helpers import assert_all_close, make_dataset, plain_adamw, snapshot
 
@@ -169,7 +169,7 @@ def test_inner_steps_run_while_averaging_and_their_work_is_kept(make_config):
     assert learner.pending is None and learner.outer_step == 1 and learner.outer.steps_taken == 1
     assert_all_close(learner.global_params, expected_global)
     assert_all_close(learner.outer.state_tensors(), reference.state_tensors())
-    assert learner.global_sha256 == params_sha256(learner.global_params)
+    assert learner.global_sha256 == state_sha256(learner.global_params, learner.outer.momentum_buffers)
     expected_local = [
         g + (lo - s.view(g.shape)) for g, lo, s in zip(expected_global, local_before_completion, pending.snapshot, strict=True)
     ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from p2p_diloco.report import build_report, check_invariant_1, read_metrics
+from p2p_diloco.report import build_report, check_invariant_1, invariant_1_status, read_metrics
 
 H0, H1, H1_FORK, H2 = "0" * 64, "1" * 64, "f" * 64, "2" * 64
 
@@ -57,6 +57,14 @@ def test_failed_rounds_repeating_a_step_with_the_same_hash_are_fine():
     records = [_record(0, H0, "init"), _record(0, H0, "no_group"), _record(0, H0, "partial"), _record(1, H1)]
     result = check_invariant_1({"a": records})
     assert result["held"] is True and result["outer_steps_checked"] == 2
+
+
+def test_a_step_reported_by_one_peer_only_is_not_checked_and_never_called_held():
+    result = check_invariant_1({"a": [_record(0, H0, "init"), _record(1, H1)], "b": [_record(2, H2)]})
+    assert result["status"] == "not checked" and result["outer_steps_reported_by_several_peers"] == 0
+    assert invariant_1_status(dict(invariant_1=result)).startswith("not checked")
+    both = check_invariant_1({"a": [_record(1, H1)], "b": [_record(1, H1)]})
+    assert both["status"] == "held" and invariant_1_status(dict(invariant_1=both)).startswith("held over 1 outer step")
 
 
 def test_records_without_a_hash_are_ignored():

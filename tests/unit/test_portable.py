@@ -1,0 +1,144 @@
+"""The portable arithmetic of portable.py in one process: SHAKE-256 draws and their statistics, the seeded init
+that leaves torch's generator and methods alone, decoders equal to bitsandbytes' to the byte, and a learner that
+says so when its own group's outer step came out other bytes here. (The same bytes under every CPU kernel set and
+thread count are checked in subprocesses: tests/integration/test_portable_arithmetic.py.)"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from p2p_diloco import compression
+from p2p_diloco.config import InnerConfig, ModelConfig
+from p2p_diloco.learner import Learner
+from p2p_diloco.link import AveragingOutcome, SwarmState
+from p2p_diloco.metrics import NullSink
+from p2p_diloco.model import GPT, build_model
+from p2p_diloco.outer import params_sha256, state_sha256
+from p2p_diloco.portable import portable_init, seeded_normal, seeded_uniform
+
+from .helpers import make_dataset, snapshot
+from .test_learner_catch_up import AheadLink
+
+
+def test_seeded_draws_are_fixed_by_their_key_and_look_like_their_distribution():
+    normal = seeded_normal(1_000_000, "a")
+    assert normal.dtype == torch.float32 and normal.shape == (1_000_000,)
+    assert torch.equal(normal, seeded_normal(1_000_000, "a")) and not torch.equal(normal, seeded_normal(1_000_000, "b"))
+    assert abs(float(normal.double().mean())) < 0.005 and abs(float(normal.double().std()) - 1.0) < 0.005
+    assert 3.5 < float(normal.abs().max()) < 6.0  # Irwin-Hall(12) stops at 6 standard deviations
+    uniform = seeded_uniform(1_000_000, "a")
+    assert float(uniform.min()) >= 0.0 and float(uniform.max()) < 1.0
+    assert abs(float(uniform.double().mean()) - 0.5) < 0.005
+    # a draw longer than one SHAKE stream is the concatenation of the streams: its prefix is the shorter draw
+    assert torch.equal(seeded_normal(3_000_000, "a")[:1_000_000], normal)
+
+
+def test_the_seeded_init_is_portable_and_leaves_torch_as_it_was():
+    methods = (torch.Tensor.normal_, torch.Tensor.uniform_, torch.nn.init.trunc_normal_)
+    generator_state = torch.random.get_rng_state()
+    first, again, other = (build_model(ModelConfig(n_layers=2, d_model=64, n_heads=2), seed) for seed in (5, 5, 6))
+    assert torch.equal(torch.random.get_rng_state(), generator_state)
+    assert (torch.Tensor.normal_, torch.Tensor.uniform_, torch.nn.init.trunc_normal_) == methods
+    params = list(first.parameters())
+    assert params_sha256(params) == params_sha256(list(again.parameters()))
+    assert params_sha256(params) != params_sha256(list(other.parameters()))
+    weights = {name: param.detach() for name, param in first.named_parameters()}
+    assert abs(float(weights["token_embedding.weight"].std()) - 0.02) < 0.001  # the GPT's init: normal, std 0.02
+    assert float(weights["blocks.0.attn.qkv.bias"].abs().max()) == 0.0 and bool((weights["ln_f.weight"] == 1).all())
+
+
+def test_portable_init_draws_every_call_anew_and_restores_the_methods_on_error():
+    originals = (torch.Tensor.normal_, torch.Tensor.uniform_, torch.nn.init.trunc_normal_)
+    with pytest.raises(RuntimeError), portable_init(1) as draws:
+        a, b = torch.empty(10).normal_(), torch.empty(10).normal_()
+        assert not torch.equal(a, b) and draws.calls == 2
+        torch.nn.init.trunc_normal_(c := torch.empty(1000), std=5.0, a=-1.0, b=1.0)
+        assert float(c.abs().max()) <= 1.0
+        raise RuntimeError("the model's constructor failed")
+    assert (torch.Tensor.normal_, torch.Tensor.uniform_, torch.nn.init.trunc_normal_) == originals
+    with portable_init(1):
+        GPT(ModelConfig(n_layers=1, d_model=32, n_heads=2, seq_len=16))  # builds inside, as build_model does
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("numel", [1, 63, 64, 65, 257, 10_001])
+def test_decoders_give_the_bytes_of_bitsandbytes_own_dequantize(name: str, numel: int):
+    from bitsandbytes.functional import QuantState, dequantize_4bit, dequantize_blockwise
+
+    codec = compression.make_codec(name)
+    values = seeded_normal(numel, f"{name} {numel}") * 3.0
+    data = codec.encode(values)
+    blocks = -(-numel // codec.block_size)
+    absmax = torch.frombuffer(bytearray(data), dtype=torch.float32, count=blocks)
+    if name == "int8":
+        indices = torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=4 * blocks, count=numel)
+        reference = dequantize_blockwise(indices, absmax=absmax, code=compression.dynamic_code(), blocksize=codec.block_size)
+    else:
+        packed = torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=4 * blocks, count=-(-numel // 2)).view(-1, 1)
+        state = QuantState(absmax=absmax, shape=torch.Size([numel]), code=compression.nf4_code(),
+                           blocksize=codec.block_size, quant_type="nf4", dtype=torch.float32)
+        reference = dequantize_4bit(packed, state).view(-1)[:numel]
+    decoded = codec.decode(data, numel)
+    assert torch.equal(decoded.view(torch.int32), reference.contiguous().view(torch.int32))
+    assert float((decoded - values).norm() / values.norm()) < (0.02 if name == "int8" else 0.12)
+
+
+def test_the_fixed_code_books_are_bitsandbytes_own():
+    from bitsandbytes.functional import create_dynamic_map, get_4bit_type
+
+    assert torch.equal(compression.dynamic_code(), create_dynamic_map(signed=True))
+    assert torch.equal(compression.nf4_code(), get_4bit_type("nf4", device="cpu"))
+
+
+class GroupmatesLink(AheadLink):
+    """A swarm in which this peer's groupmates of the last round report ``theirs`` for its current outer step, and
+    serve that state: the fork heals by download."""
+
+    def __init__(self, state: SwarmState, groupmates: Sequence[str], theirs: str):
+        super().__init__(state.outer_step, state)
+        self.groupmates, self.theirs = tuple(groupmates), theirs
+
+    def swarm_outer_step(self) -> int:
+        return self.state.outer_step
+
+    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
+        return self.theirs
+
+    def reported_sha256(self, outer_step: int) -> dict[str, str]:
+        return {peer: self.theirs for peer in self.groupmates} | {"stranger": "0" * 64}
+
+
+def test_a_peer_whose_own_group_computed_its_step_otherwise_says_so_once_and_counts_it(make_config, caplog):
+    learner = Learner(make_config(inner=InnerConfig(inner_steps=1, batch_size=2)), make_dataset(make_config()), NullSink())
+    learner.outer_step = 4
+    learner.round_history[3] = ("fake", "peerA", "peerB")  # this peer averaged step 3 -> 4 with A and B
+    momentum = snapshot(learner.outer.momentum_buffers)
+    theirs = [p + 1e-7 for p in learner.global_params]  # the same step, one ulp or so apart: another arithmetic
+    state = SwarmState(4, theirs, momentum, 4, 0, state_sha256(theirs, momentum), donor="peerA")
+    link = GroupmatesLink(state, ["peerA", "peerB"], state.global_sha256)
+    ours = learner.global_sha256
+
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.learner"):
+        assert learner._catch_up(link) is True
+    lines = [r.getMessage() for r in caplog.records if "differently" in r.getMessage()]
+    assert lines == [f"this peer's hardware computed outer step 4 differently from 2 of 2 groupmates (ours {ours[:12]}, "
+                     f"theirs {state.global_sha256[:12]}): same inputs, other bytes; taking the swarm's state"]
+    assert learner.arithmetic_mismatches == [4] and learner.forks_healed == 1
+    assert learner.global_sha256 == state.global_sha256
+
+    # a fork at a step this peer's group did not make (another group's) is a plain fork: no such line
+    learner.round_history.clear()
+    learner.global_sha256 = ours
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.learner"):
+        learner._catch_up(link)
+    assert not [r for r in caplog.records if "differently" in r.getMessage()]
+    assert learner.arithmetic_mismatches == [4] and learner.forks_healed == 2
+    record = {}
+    learner.metrics = type("Sink", (), {"write": lambda self, r: record.update(r)})()
+    learner._write(link, AveragingOutcome(None, (), 0.0, "no_group"))
+    assert record["arithmetic_mismatches"] == 1
