@@ -223,8 +223,10 @@ def scaled_lookup(code: torch.Tensor, indices: torch.Tensor, absmax: torch.Tenso
     same bytes on every backend (docs/design.md §5). bitsandbytes' dequantize computes the same product in kernels
     of its own."""
     values = code[indices.long()]
-    scales = absmax.repeat_interleave(block_size)[: values.numel()]
-    return values.mul_(scales)
+    whole = values.numel() // block_size * block_size  # whole blocks, then the last, partial one
+    values[:whole].view(-1, block_size).mul_(absmax[: whole // block_size, None])
+    values[whole:].mul_(absmax[whole // block_size :][:1])
+    return values
 
 
 def _check_length(name: str, data: bytes, expected: int) -> None:
