@@ -206,6 +206,13 @@ class ExactAllReduceRunner(AllReduceRunner):
             encoded = await self._encode_result(part_index, averaged_part)
             self.tensor_part_container.register_processed_part(peer_index, part_index, self._wire_codec.extract(encoded))
 
+    async def _ban_sender(self, peer_id: PeerID) -> None:
+        if peer_id not in self.banned_senders:  # hivemind says nothing: the sender's round comes back partial
+            received = self.tensor_part_reducer.num_parts_received[self.sender_peer_ids.index(peer_id)]
+            logger.warning("dropped sender %s from the parts we reduce after %d of %d parts", peer_id, received,
+                           self.tensor_part_reducer.num_parts)
+        await super()._ban_sender(peer_id)
+
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: Any):
         async for message in super().rpc_aggregate_part(_metered(stream, self._traffic.add_received), context):
             self._traffic.add_sent(message.ByteSize())
