@@ -75,6 +75,12 @@ def part_values_for(codec: Codec, total_values: int) -> int:
     return min(largest, max(_MIN_PART_VALUES, wanted))
 
 
+def part_norms_of(tensors: Sequence[torch.Tensor], part_values: int) -> list[float]:
+    """The L2 norm of each all-reduce part of ``tensors``, in hivemind's order (each tensor flattened and cut into
+    pieces of ``part_values`` values: ``TensorPartContainer``)."""
+    return [float(piece.norm()) for tensor in tensors for piece in tensor.detach().reshape(-1).split(part_values)]
+
+
 class WireCodec(CompressionBase):
     """Adapts a p2p_diloco codec to hivemind's three-method CompressionBase (fp32 tensors only).
 
@@ -426,11 +432,14 @@ def run_averaging(
     expected_group_size: int | None = None,
     should_abort: Callable[[], bool] | None = None,
     base: str | None = None,
+    part_norms: Sequence[float] | None = None,
 ) -> AveragingOutcome:
     """Average ``tensors`` with the peers of ``outer_step``; never raises for network failures.
 
     ``base``: the sha256 of the global params the outer gradient was measured from, declared in the group
     request: a group whose members declare different bases (one of them on a fork) averages nothing here.
+    ``part_norms``: the norm of each all-reduce part of ``tensors`` (``part_norms_of``), declared in the group request:
+    every member checks the results it gets back against the group's declared norms (robust.result_problem).
 
     ``expected_group_size``: the peers this one expects (itself included); the group starts averaging as soon
     as that many joined, and otherwise after the matchmaking time with whoever came. ``should_abort``, polled
@@ -450,7 +459,8 @@ def run_averaging(
     deadline = time.monotonic() + timeout_s
     while True:
         control = averager.step(
-            gather=dict(outer_step=outer_step, weight=weight, **({"base": base} if base else {})),
+            gather=dict(outer_step=outer_step, weight=weight, **({"base": base} if base else {}),
+                        **({"part_norms": list(part_norms)} if part_norms is not None else {})),
             weight=weight,
             timeout=max(1.0, deadline - time.monotonic()),
             allow_retries=False,

@@ -53,9 +53,10 @@ class RobustPartReducer(TensorPartReducer):
         policy: RobustPolicy,
         allowed: Sequence[float | None],
         report: Callable[[int, str, bool], None],
+        own: int | None = None,
     ):
         self._inputs: dict[tuple[int, int], tuple[Any, float]] = {}  # (sender, part) -> (part, declared weight)
-        self._policy, self._allowed, self._report = policy, list(allowed), report
+        self._policy, self._allowed, self._report, self._own = policy, list(allowed), report, own
         super().__init__(part_shapes, num_senders)
 
     async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
@@ -81,6 +82,7 @@ class RobustPartReducer(TensorPartReducer):
             [self._allowed[s] for s in senders],
             torch.Size(self.part_shapes[index]),
             self._policy,
+            own=senders.index(self._own) if self._own in senders else None,
         )
         for position, reason in notes.items():
             self._report(senders[position], reason, position in left_out)
@@ -104,6 +106,7 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
             guard.policy,
             [guard.allowed.get(name) for name in names],
             lambda sender, reason, left_out: guard.reject(names[sender], reason, left_out),
+            own=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
         )
         # hivemind registers each reducer's result in its container; check it there first, whoever the reducer is
         container = self.tensor_part_container
@@ -113,7 +116,9 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
     def _register_checked(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
         container = self.tensor_part_container
         sent = container._input_parts_by_peer[peer_index][part_index][0]  # what we sent that reducer (hivemind 1.1.12)
-        problem = result_problem(part, sent, self.guard.policy, self.guard.weight_ratio)
+        first = sum(container.num_parts_by_peer[:peer_index])  # parts are dealt to reducers in order
+        norms = self.guard.declared_norms(first + part_index, sum(container.num_parts_by_peer))
+        problem = result_problem(part, sent, self.guard.policy, self.guard.weight_ratio, norms)
         if problem is None:
             return self._register_unchecked(peer_index, part_index, part)
         reducer = self.ordered_peer_ids[peer_index].to_base58()
@@ -127,6 +132,15 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
         raise AllreduceException(f"reducer {reducer} returned a bad average: {problem}")
 
 
+def _part_norms(value: object) -> list[float]:
+    """A member's declared part norms, if well formed (a list of finite numbers >= 0), else []."""
+    if not isinstance(value, list | tuple) or len(value) > 1 << 20:
+        return []
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in value):
+        return []
+    return [float(v) for v in value]
+
+
 class RoundGuard:
     """One all-reduce's weight limits (peer id -> tokens) and what it rejected (peer id -> first reason)."""
 
@@ -136,8 +150,15 @@ class RoundGuard:
         self.rejected: dict[str, str] = {}
         self.left_out: set[str] = set()  # senders our reducer left out of the part it averaged (not just clamped)
         self.bad_results: list[str] = []  # reducers whose averages we refused
+        self.part_norms: list[list[float]] = []  # per member, the norm of each part it declared (run_averaging)
         # ... of which the averages were finite and well-formed, and under result_ban_excess times too large
         self.only_too_large: set[str] = set()
+
+    def declared_norms(self, part: int, parts: int) -> list[float] | None:
+        """The norms the members declared for global part ``part`` (of ``parts``), from the members that declared one
+        per part; None when fewer than half of the group did (an earlier version, or hostile data)."""
+        found = [norms[part] for norms in self.part_norms if len(norms) == parts]
+        return found if found and 2 * len(found) >= len(self.part_norms) else None
 
     def reject(self, peer: str, reason: str, left_out: bool = False) -> None:
         if left_out:
@@ -256,6 +277,7 @@ class GuardedAverager(DilocoAverager):
         guard = RoundGuard(self.policy, dict(self._allowed))
         gathered = self._gathered(group_info)
         guard.weight_ratio = self._weight_ratio(group_info, gathered, guard)
+        guard.part_norms = [_part_norms(data.get("part_norms")) for data in gathered]
         if "peer_fractions" in kwargs:
             kwargs["peer_fractions"] = self._demote_banned(group_info, gathered, kwargs["peer_fractions"])
         try:

@@ -1,44 +1,203 @@
-"""Which history the swarm holds: the rule by which every peer, reading the same progress records, picks the same
-outer step and the same bytes for it (docs/design.md §4, "Forks and which history wins").
+"""Which history the swarm holds: the rule by which a peer, reading the others' progress records, decides whether
+to take another state and which (docs/design.md §4, "Which history wins"). Pure functions of records: no DHT,
+no torch.
 
-The highest outer step any live peer reports wins; at the same step, the state sha256 that most live peers
-report wins; a tie goes to the smallest sha256. Two parts of a run that trained apart (a late start, a partition,
-a machine whose arithmetic differs) thereby merge onto one history: the losing side downloads the winner's state
-and rebases its local progress onto it. Pure functions of records (peer id -> progress record): no DHT, no torch.
+Every progress record carries its peer's *chain*: the (outer step, state sha256) of its last few heads, the
+current one last (``recent``, and ``outer_step``/``global_sha256``). A peer *vouches* for every node of its chain.
+Only the live, unbanned peers a peer reads vote, and nobody's word alone moves a peer, but in a swarm too small
+for a majority. The rules, in order (``Target.how``):
+
+- ``majority`` (catching up): the highest node past this peer's head, on its own history (a chain that holds our
+  head holds it after it), that more than half of the other peers on that history (whose chains hold our head)
+  vouch for, and two of them at least.
+- ``fresh``: a peer that has not averaged in a group since it started (a late joiner, a peer resumed from an old
+  checkpoint) takes the head most others vouch for, if more vouch for it than for ours, or as many and it is
+  further (a second peer joining a swarm of one; a late joiner beside three honest peers and a liar). A tie it breaks only by the word of a peer it was told to join through
+  (``--initial-peers``); otherwise it waits: beside two honest peers, two colluders must not win it.
+- ``majority`` (another history): for a peer that has averaged, the highest node not on its chain that more than
+  half of all the peers, this one included, vouch for, and more of them than vouch for its head: a partition's
+  smaller side takes the larger side's history, even at a lower step.
+- ``next``: a head one step past ours whose chain holds our head. In a swarm too small for a majority (two peers,
+  one of whose rounds failed) it is the only way forward, so it needs no vouchers, but the learner takes it only
+  if it recomputes that step from its own state and the average the donor serves, and that average passes the
+  checks of a reducer's result against what this peer sent (docs/design.md §7).
+- ``fork``: the same step as ours on other bytes, vouched for by as many peers as ours or more: the better-vouched
+  bytes, a tie going to the smallest sha256, so both sides of a fork pick the same.
+
+A peer whose head no majority vouches for and that lies three or more steps past the highest node a majority
+vouches for makes an *unbacked claim* (``unbacked_claims``): it moves nobody, is said once, and a peer that keeps
+making them is banned (swarm.py). Nor
+does it make an honest peer's search for a group stale (``moved_past``). Known limit: a swarm cut into two equal
+halves, each on its own history, stays cut until one side has a majority (a peer joins or leaves), and a fresh
+peer between them waits.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+CHAIN = 8  # heads a record lists, its own current one included
+Node = tuple[int, str]  # (outer step, state sha256)
 
 
-def swarm_outer_step(records: Mapping[str, dict]) -> int:
-    """The highest outer step that any live peer reports (-1 when there is none)."""
-    steps = [int(record.get("outer_step", -1)) for record in records.values()]
-    return max(steps, default=-1)
+@dataclass(frozen=True)
+class Target:
+    """A state to take: ``step`` and ``sha256``, and which rule chose it (see the module docstring)."""
+
+    step: int
+    sha256: str
+    how: str  # "majority", "fresh", "next" or "fork"
+
+    @property
+    def node(self) -> Node:
+        return self.step, self.sha256
 
 
-def reported_sha256(records: Mapping[str, dict], outer_step: int) -> dict[str, str]:
+def _valid_node(step: object, sha: object) -> bool:
+    return (isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**53 and isinstance(sha, str)
+            and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha))
+
+
+def chain_of(record: Mapping) -> tuple[Node, ...]:
+    """A record's chain, oldest first, its head last: only well-formed nodes at steps below the head, at most
+    ``CHAIN`` of them. () for a record without a well-formed head."""
+    head = (record.get("outer_step"), record.get("global_sha256"))
+    if not _valid_node(*head):
+        return ()
+    recent = record.get("recent")
+    earlier: dict[int, str] = {}
+    if isinstance(recent, list | tuple):
+        for entry in recent[-4 * CHAIN :]:
+            if isinstance(entry, list | tuple) and len(entry) == 2 and _valid_node(*entry) and entry[0] < head[0]:
+                earlier[entry[0]] = entry[1]
+    nodes = [*sorted(earlier.items()), head]
+    return tuple(nodes[-CHAIN:])
+
+
+def _support(chains: Mapping[str, Sequence[Node]]) -> dict[Node, int]:
+    """How many of ``chains`` hold each node."""
+    support: dict[Node, int] = {}
+    for chain in chains.values():
+        for node in set(chain):
+            support[node] = support.get(node, 0) + 1
+    return support
+
+
+def _others(records: Mapping[str, Mapping], own_id: str) -> dict[str, tuple[Node, ...]]:
+    chains = {peer: chain_of(record) for peer, record in records.items() if peer != own_id}
+    return {peer: chain for peer, chain in chains.items() if chain}
+
+
+def _after(head: Node, chains: Iterable[Sequence[Node]]) -> set[Node]:
+    """The nodes that some chain holds after ``head``: on ``head``'s history, past it."""
+    found: set[Node] = set()
+    for chain in chains:
+        if head in chain:
+            found.update(chain[chain.index(head) + 1 :])
+    return found
+
+
+def _before(own: Sequence[Node], chains: Iterable[Sequence[Node]]) -> set[Node]:
+    """The nodes that some chain holds before a node of ``own``: on our history, older than our chain goes back."""
+    found: set[Node] = set()
+    ours = set(own)
+    for chain in chains:
+        joined = next((index for index, node in enumerate(chain) if node in ours), None)
+        if joined is not None:
+            found.update(chain[:joined])
+    return found
+
+
+def choose_target(
+    records: Mapping[str, Mapping], own: Sequence[Node], fresh: bool, own_id: str = "", anchors: Iterable[str] = ()
+) -> Target | None:
+    """The state this peer should take, or None to keep its own. ``records``: the live, unbanned peers' progress
+    records by peer id; ``own``: this peer's chain, head last; ``fresh``: whether its history is its own word only;
+    ``anchors``: the peers it was told to join through (``--initial-peers``). See the module docstring."""
+    others = _others(records, own_id)
+    if not own or not others:
+        return None
+    head, count = own[-1], len(others)
+    support = _support(others)  # vouchers among the others
+    after = _after(head, others.values())
+    holders = sum(head in chain for chain in others.values())  # the others on our history
+    ahead = [node for node in after if 2 * support[node] > holders and support[node] >= 2]
+    if ahead:
+        return Target(*max(ahead), "majority")
+    heads = {chain[-1] for chain in others.values()}
+    behind = set(own) | _before(own, others.values())  # our history, up to our head
+    ours = 1 + support.get(head, 0)  # peers on our head, this one included
+    if fresh:  # only a head more vouched for than ours, or as much and further: never back along our own history
+        better = {node for node in heads - behind if (support[node], node[0]) > (ours, head[0])}
+        return _fresh_choice(better, support, others, set(anchors))
+    ours_too = behind | after
+    elsewhere = [node for node, vouchers in support.items()
+                 if node not in ours_too and 2 * vouchers > count + 1 and vouchers > ours]
+    if elsewhere:
+        return Target(*max(elsewhere), "majority")
+    following = [chain[-1] for chain in others.values() if head in chain and chain[-1][0] == head[0] + 1]
+    if following:
+        return Target(*max(following, key=lambda node: (support[node], _smaller(node[1]))), "next")
+    rivals = [node for node in heads if node[0] == head[0] and node[1] != head[1] and support[node] >= ours]
+    if rivals:
+        best = max([*rivals, head], key=lambda node: (support.get(node, 0) + (node == head), _smaller(node[1])))
+        if best != head:
+            return Target(*best, "fork")
+    return None
+
+
+def _fresh_choice(heads: set[Node], support: Mapping[Node, int], others: Mapping[str, Sequence[Node]],
+                  anchors: set[str]) -> Target | None:
+    """A fresh peer takes the head most others vouch for. A tie it breaks only by the word of a peer it was told to
+    join through; otherwise it waits for a majority (two colluders beside two honest peers must not win it)."""
+    if not heads:
+        return None
+    top = max(support[node] for node in heads)
+    best = [node for node in heads if support[node] == top]
+    if len(best) > 1:
+        best = [node for node in best if any(node in others[peer] for peer in anchors if peer in others)]
+    return Target(*best[0], "fresh") if len(best) == 1 else None
+
+
+def _smaller(sha: str) -> int:
+    """A key under which a smaller sha256 compares greater (for ``max``)."""
+    return -int(sha, 16)
+
+
+def moved_past(records: Mapping[str, Mapping], own: Sequence[Node], own_id: str = "") -> bool:
+    """Whether a search for a group at our head's step can no longer succeed: a majority took a later step on our
+    history, or every other peer is past our step and one of them on our history (the other of a swarm of two
+    moved on). An unbacked claim of a step far ahead does not count: the honest peers at our step are still there
+    to group with."""
+    others = _others(records, own_id)
+    if not own or not others:
+        return False
+    head = own[-1]
+    target = choose_target(records, own, fresh=False, own_id=own_id)
+    if target is not None and target.how == "majority" and target.step > head[0]:
+        return True
+    return all(chain[-1][0] > head[0] for chain in others.values()) and any(head in chain for chain in others.values())
+
+
+def unbacked_claims(records: Mapping[str, Mapping], own: Sequence[Node], own_id: str = "", lead: int = 3) -> dict[str, Node]:
+    """Peers whose head no majority of the electorate (this peer included) vouches for and that lies ``lead`` or
+    more steps past the highest node a majority does vouch for, by peer id: a claim to be ahead that the swarm does
+    not back. {} when no node is backed (a swarm split, or a late joiner that shares no history yet). The caller
+    asks only when the swarm gives it nothing to follow (a peer catching up is behind, not lied to)."""
+    if not own:
+        return {}
+    everyone = {**_others(records, own_id), own_id: tuple(own)}
+    support = _support(everyone)
+    backed = max((node for node, count in support.items() if 2 * count > len(everyone)), default=None)
+    if backed is None:
+        return {}
+    return {
+        peer: chain[-1] for peer, chain in everyone.items()
+        if peer != own_id and 2 * support[chain[-1]] <= len(everyone) and chain[-1][0] >= backed[0] + lead
+    }
+
+
+def reported_sha256(records: Mapping[str, Mapping], outer_step: int) -> dict[str, str]:
     """The state sha256 each peer reports for ``outer_step``, by peer id (peers at other steps left out)."""
     return {peer: str(r.get("global_sha256")) for peer, r in records.items() if r.get("outer_step") == outer_step}
-
-
-def canonical_sha(records: Mapping[str, dict], outer_step: int, own_sha: str | None = None) -> str | None:
-    """The state sha256 that the swarm holds for ``outer_step``: the one most peers report, this one's own
-    (``own_sha``) counted too; a tie goes to the smallest hash. Every peer with the same view picks the same one,
-    so a fork heals one way."""
-    votes = Counter(reported_sha256(records, outer_step).values())
-    if own_sha:
-        votes[own_sha] += 1
-    if not votes:
-        return None
-    return min(votes, key=lambda sha: (-votes[sha], sha))
-
-
-def agreed_sha(records: Mapping[str, dict], outer_step: int) -> str | None:
-    """The sha256 that at least half of the peers reporting ``outer_step`` published for it (the canonical one on
-    a tie), or None: a minority, a lone donor among others say, is never believed."""
-    votes = Counter(reported_sha256(records, outer_step).values())
-    canonical = min(votes, key=lambda sha: (-votes[sha], sha)) if votes else None
-    return canonical if canonical is not None and 2 * votes[canonical] >= sum(votes.values()) else None

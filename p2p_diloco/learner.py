@@ -37,11 +37,13 @@ import torch
 from p2p_diloco import checkpoint
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import DataSource
+from p2p_diloco.history import CHAIN, Node
 from p2p_diloco.island import Control, Island
 from p2p_diloco.link import AveragingOutcome, Link, LocalLink, SwarmState
 from p2p_diloco.metrics import MetricsSink
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import OuterOptimizer, Segment, state_sha256
+from p2p_diloco.verify import next_step_problem
 from p2p_diloco.watch import pack_stats
 
 logger = logging.getLogger(__name__)
@@ -165,6 +167,13 @@ class Learner:
         # partial only for some of the group): it waits here until a downloaded round history says which
         self.unconfirmed: PendingAveraging | None = None
         self.round_history: dict[int, tuple[str, ...]] = {}  # outer step r -> peers whose gradients made r -> r+1
+        # our last heads (outer step, state sha256), published for the others to vouch by (history.py)
+        self.chain: deque[Node] = deque([(0, self.global_sha256)], maxlen=CHAIN)
+        self.fresh = True  # no averaging in a group since we started: our history is our own word only
+        # the average that made our current state from the one before (its sha256), served with our state: a peer
+        # one step behind recomputes that step from it instead of taking our word (history.py, "next")
+        self.parent_sha256: str | None = None
+        self.last_average: list[torch.Tensor] | None = None
         self.interval = Interval()
         self._state_lock = threading.Lock()  # guards global state against a concurrent state download
         self._eval_batches = dataset.eval_batches(config.run.eval_batches)
@@ -211,8 +220,11 @@ class Learner:
                 steps_into_round=self.steps_into_round,
                 peer_id=self.peer_id,
                 round_history={str(step): list(peers) for step, peers in self.round_history.items()},
+                recent=[list(node) for node in self.chain],
+                parent_sha256=self.parent_sha256 if self.last_average is not None else None,
             )
             tensors = [t.clone() for t in self.global_params] + [t.clone() for t in self.outer.state_tensors()]
+            tensors += [t.clone() for t in self.last_average or []]
         return metadata, tensors
 
     def run(self, link: Link) -> None:
@@ -485,9 +497,12 @@ class Learner:
             segments = pending.segments
             local = self.island.local_params()
             with self._state_lock:
+                self.parent_sha256, self.last_average = self.global_sha256, [t.clone() for t in outcome.averaged]
                 self.outer.step(self._unpack(outcome.averaged, segments), segments)
                 self.outer_step += 1
                 self.global_sha256 = state_sha256(self.global_params, self.outer.momentum_buffers)
+                self.chain.append((self.outer_step, self.global_sha256))
+            self.fresh = self.fresh and len(outcome.peers) < 2
             with torch.no_grad():  # local_params <- new_global + (local_params - snapshot): keep the work done since
                 for segment, snapshot in zip(segments, pending.snapshot):
                     param = segment.of(local)
@@ -510,28 +525,61 @@ class Learner:
                 self.save_checkpoint()
 
     def _catch_up(self, link: Link) -> bool:
-        """If the swarm is ahead, or holds other bytes for our outer step (a fork: two groups averaged the
-        same step apart), download its verified state and rebase local progress onto it."""
+        """Take the state the swarm vouches for (history.py), if it is not ours: ahead of us, other bytes at our step
+        (a fork), or, for a partition's smaller side, another history; download it verified, and rebase our local
+        progress onto it. A next step that no majority backs is taken only if we recompute it ourselves."""
         if self.pending is not None:
             return False  # never while our own averaging is in flight: its result is still to be applied
-        behind = link.swarm_outer_step() > self.outer_step
-        forked = not behind and link.canonical_sha(self.outer_step, self.global_sha256) != self.global_sha256
-        if not (behind or forked):
+        target = link.swarm_target(list(self.chain), self.fresh)
+        if target is None:
             return False
-        if forked:
+        if target.how == "next" and (self.unconfirmed is None or self.unconfirmed.outer_step != self.outer_step):
+            return False  # nothing of ours to check the donor's average against: wait for a majority
+        if target.step == self.outer_step:
             self._note_arithmetic_mismatch(link)
         started = time.monotonic()
-        state = link.download_state(len(self.params))
+        state = link.download_state([tuple(p.shape) for p in self.global_params], target)
         self._add_blocked(time.monotonic() - started)
-        newer = state is not None and (
-            state.outer_step > self.outer_step
-            or (forked and state.outer_step == self.outer_step and state.global_sha256 != self.global_sha256)
-        )
-        if not newer:
-            what = "ahead of" if behind else "on other bytes at"
-            logger.warning("swarm is %s outer step %d; no verified state could be downloaded", what, self.outer_step)
+        if state is None or (state.outer_step, state.global_sha256) == self.chain[-1]:
+            logger.warning("the swarm holds outer step %d (%s); no verified state could be downloaded", target.step, target.how)
             return False
-        applied = self._unconfirmed_was_applied(state, link.peer_id)
+        if state.how == "next":  # the target may have changed while downloading: check what was downloaded
+            problem = self._next_step_problem(state) if self.unconfirmed is not None else "nothing of ours to check it by"
+            if problem is not None:
+                logger.warning("refused the next step served by %s: %s", state.donor, problem)
+                link.refuse_donor(state.donor, problem)
+                return False
+        before = self.outer_step
+        forked = state.outer_step <= before  # other bytes at our step, or a history most of the swarm holds
+        self._take_state(state, link.peer_id)
+        self.catch_ups += 1
+        self.forks_healed += int(forked)
+        what = ("took the history most of the swarm holds, back at" if state.outer_step < before else
+                "healed a fork at" if forked else "caught up to")
+        logger.info("%s outer step %d in %.2f s (%s)", what, self.outer_step, time.monotonic() - started, target.how)
+        self._publish_step(link)
+        status = "fork_healed" if forked else "caught_up"
+        self._write(link, AveragingOutcome(None, (), 0.0, status, f"downloaded from {state.donor} ({target.how})",
+                                           state.refused_donors))
+        if self.config.run.checkpoint_dir:  # a restart after this resumes here, not from before the download
+            self.save_checkpoint()
+        return True
+
+    def _next_step_problem(self, state: SwarmState) -> str | None:
+        """Why we cannot take ``state`` as the step after ours: recomputed from our own state and the average its donor
+        serves, it must give its bytes, and that average must pass a reducer result's checks against the outer
+        gradient we sent for that step (verify.py)."""
+        pending = self.unconfirmed
+        assert pending is not None
+        sent = [segment.of(self.global_params) - snapshot.cpu() for segment, snapshot in zip(pending.segments, pending.snapshot)]
+        averaged = self._unpack(state.last_average, pending.segments) if state.last_average is not None else None
+        return next_step_problem(state, self.outer_step, self.global_params, self.outer.momentum_buffers,
+                                 self.outer.steps_taken, self.global_sha256, self.config.outer, pending.segments,
+                                 averaged, sent)
+
+    def _take_state(self, state: SwarmState, peer_id: str) -> None:
+        """Replace our global state by a verified ``state`` and rebase our local progress onto it."""
+        applied = self._unconfirmed_was_applied(state, peer_id)
         local = self.island.local_params()
         with torch.no_grad(), self._state_lock:
             if applied is not None:  # that fragment's progress up to the snapshot is in the new global already
@@ -544,24 +592,12 @@ class Learner:
                 old.copy_(new)
             self.outer.load_state(state.momentum, state.outer_steps_taken)
             self.outer_step, self.global_sha256 = state.outer_step, state.global_sha256
+            self.chain = deque(state.chain or [(state.outer_step, state.global_sha256)], maxlen=CHAIN)
+            self.parent_sha256, self.last_average = state.parent_sha256, state.last_average
             for step, peers in state.round_history.items():
                 self.round_history.setdefault(step, peers)
             self._trim_history()
         self.unconfirmed = None
-        self.catch_ups += 1
-        self.forks_healed += int(forked)
-        logger.info(
-            "%s outer step %d in %.2f s",
-            "healed a fork at" if forked else "caught up to",
-            self.outer_step,
-            time.monotonic() - started,
-        )
-        self._publish_step(link)
-        status = "fork_healed" if forked else "caught_up"
-        self._write(link, AveragingOutcome(None, (), 0.0, status, f"downloaded from {state.donor}", state.refused_donors))
-        if self.config.run.checkpoint_dir:  # a restart after this resumes here, not from before the download
-            self.save_checkpoint()
-        return True
 
     def _note_arithmetic_mismatch(self, link: Link) -> None:
         """Say so, once per outer step, when the swarm holds other bytes for a step that this peer's own group made.
@@ -615,7 +651,8 @@ class Learner:
         self.interval.longest_block_s = max(self.interval.longest_block_s, seconds)
 
     def _publish_step(self, link: Link) -> None:
-        link.publish(outer_step=self.outer_step, global_sha256=self.global_sha256, round=self.round_index)
+        recent = [list(node) for node in list(self.chain)[:-1]]  # our earlier heads: the others vouch by chains
+        link.publish(outer_step=self.outer_step, global_sha256=self.global_sha256, round=self.round_index, recent=recent)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -767,6 +804,7 @@ class Learner:
                 target.copy_(value)
             self.outer.load_state(momentum, steps_taken)
             self.outer_step, self.global_sha256 = outer_step, saved_sha
+            self.chain = deque([(outer_step, saved_sha)], maxlen=CHAIN)  # fresh: the swarm's vouched state wins
         self.dataset.train.position = position
         self.tokens_total = tokens_total
         self.unsynced_by_fragment = unsynced

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from p2p_diloco.compression import Codec, make_codec
+from p2p_diloco.history import Node, Target
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,12 @@ class SwarmState:
     # outer step r -> the peers whose outer gradients made step r -> r+1, as the donor knows it (recent steps)
     round_history: dict[int, tuple[str, ...]] = field(default_factory=dict)
     refused_donors: tuple[tuple[str, str], ...] = ()  # (peer id, why) of donors whose state failed verification
+    chain: tuple[tuple[int, str], ...] = ()  # the donor's last heads (outer step, state sha256), this one last
+    # the average that made this state from the donor's previous one (parent_sha256), as the averaging template's
+    # tensors, if the donor averaged that step itself: what a peer one step behind recomputes it from (history.py)
+    parent_sha256: str | None = None
+    last_average: list[torch.Tensor] | None = None
+    how: str = "majority"  # the rule of history.py that chose this state (the learner checks a "next" one itself)
 
 
 @dataclass(frozen=True)
@@ -64,15 +71,15 @@ class Link(Protocol):
 
     def round_view(self, round_index: int) -> RoundView: ...
 
-    def swarm_outer_step(self) -> int: ...
+    def swarm_target(self, chain: Sequence[Node], fresh: bool) -> Target | None: ...
 
     def peers_behind(self, outer_step: int) -> int: ...
 
-    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None: ...
-
     def reported_sha256(self, outer_step: int) -> dict[str, str]: ...
 
-    def download_state(self, num_params: int) -> SwarmState | None: ...
+    def download_state(self, shapes: Sequence[Sequence[int]], target: Target) -> SwarmState | None: ...
+
+    def refuse_donor(self, donor: str, reason: str) -> None: ...
 
     def publish(self, **fields: object) -> None: ...
 
@@ -106,6 +113,9 @@ class ImmediateAveraging:
     def reported_sha256(self, outer_step: int) -> dict[str, str]:
         return {}
 
+    def refuse_donor(self, donor: str, reason: str) -> None:
+        pass
+
 
 class LocalLink(ImmediateAveraging):
     """A swarm of exactly one peer, in process."""
@@ -118,13 +128,10 @@ class LocalLink(ImmediateAveraging):
     def average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
         return AveragingOutcome(codec_round_trip(self.codec, tensors), (self.peer_id,), weight, "ok")
 
-    def swarm_outer_step(self) -> int:
-        return -1
+    def swarm_target(self, chain: Sequence[Node], fresh: bool) -> Target | None:
+        return None
 
-    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
-        return own_sha
-
-    def download_state(self, num_params: int) -> SwarmState | None:
+    def download_state(self, shapes: Sequence[Sequence[int]], target: Target) -> SwarmState | None:
         return None
 
     def publish(self, **fields: object) -> None:

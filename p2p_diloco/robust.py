@@ -11,10 +11,21 @@ average over. Here every received part is checked before it counts:
 - *size*: its L2 norm per unit of weight (tokens) is at most ``max_norm_ratio`` times the (lower) median of the
   senders' for that part (a small part can do no more harm than its clamped weight allows).
 
-A sender that fails the form or size check is left out of that part's average; the result is the weighted mean
-of the accepted senders, summed in sender order. Each part has exactly one reducer, which encodes its result once
-for everyone (averaging.py), so every honest peer still gets the same bytes (invariant 1). With no acceptable
-sender a part averages to zeros: a zero step for those values, the same on every peer.
+A sender that fails the form or size check is left out of that part's average. The accepted ones are averaged
+by *centered clipping*: around a robust centre c (the coordinate-wise median of the accepted parts, or, in a group
+of two, the reducer's own part), each sender's deviation p_i - c is clipped to a radius tau (``clip_ratio`` times
+the median deviation; in a group of two, times the norm of the reducer's own part, times how many more tokens the
+other declared, up to ``result_weight_scale_cap``), and the result is c plus the weighted mean of the clipped
+deviations. So the adversaries among the senders move a part's average, against
+the clipped mean of the honest senders around the same centre, by at most 2 (W_adv / W) tau, where W_adv / W is
+their share of the clamped weights; with honest senders a majority, c lies coordinate by coordinate within the
+honest values and tau is an honest peer's scale (docs/design.md §7). Each part has exactly one reducer, which
+encodes its result once for everyone (averaging.py), so every honest peer still gets the same bytes (invariant 1).
+With no acceptable sender a part averages to zeros: a zero step for those values, the same on every peer.
+
+A sender checks what a reducer returns (``result_problem``): at most ``result_median_ratio`` times the upper
+median of the norms that the group's members declared for that part (the bound above, with room for the codec),
+or, where no norms were declared, ``result_norm_ratio`` times the norm of what it sent itself.
 
 This module is pure torch: it does not know hivemind or who the senders are, only their index in the group.
 It does not detect a reducer that returns a plausible but wrong average (that would need two reducers per part).
@@ -44,10 +55,14 @@ class RobustPolicy:
     result_weight_scale_cap: float = 30.0
     # an average this many times over that limit is banned at once: honest ones seen over it were within 2x
     result_ban_excess: float = 10.0
+    clip_ratio: float = 2.0  # centered clipping: a deviation from the centre is cut to this times the median one
+    # a reducer's result may be at most this times the upper median of the part norms the group declared: the
+    # clipped mean lies within |c| + tau <= (1 + 2 clip_ratio) honest norms, and the codecs add up to ~10%
+    result_median_ratio: float = 6.0
 
     def __post_init__(self) -> None:
         for name in ("max_norm_ratio", "max_weight_ratio", "weight_margin", "result_norm_ratio", "result_weight_scale_cap",
-                     "result_ban_excess"):
+                     "result_ban_excess", "clip_ratio", "result_median_ratio"):
             if not getattr(self, name) >= 1.0:
                 raise ValueError(f"RobustPolicy.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -102,10 +117,12 @@ def robust_average(
     allowed_weights: list[float | None],
     shape: torch.Size,
     policy: RobustPolicy,
+    own: int | None = None,
 ) -> tuple[torch.Tensor, dict[int, str], frozenset[int]]:
-    """The weighted mean of the acceptable parts (float32, ``shape``); per sender index, why it was rejected or
-    its weight clamped; and the indices of the senders left out (a clamped sender still counts). Deterministic: the
-    same inputs in the same order give the same bytes."""
+    """The centered-clipped weighted mean of the acceptable parts (float32, ``shape``; see the module docstring);
+    per sender index, why it was rejected, its weight clamped or its deviation cut by more than half; and the
+    indices of the senders left out (a clamped or clipped sender still counts). ``own``: the index of the reducer's
+    own part, the centre in a group of two. Deterministic: the same inputs in the same order give the same bytes."""
     weights, notes = clamp_weights(declared_weights, allowed_weights, policy)
     rejected: dict[int, str] = {i: note for i, note in notes.items() if math.isnan(weights[i])}
     candidates = []
@@ -129,15 +146,56 @@ def robust_average(
                     f"norm per token {sizes[index]:.3g} > {policy.max_norm_ratio:g}x the median {median:.3g}"
                 )
                 candidates.remove(index)
-    result = torch.zeros(shape, dtype=torch.float32)
-    total = sum(weights[i] for i in candidates)
-    for index in candidates:  # sender order: a fixed summation order, the same bytes every time
-        share = weights[index] / total if total > 0 else 1.0 / len(candidates)
-        result.add_(parts[index], alpha=share)
+    result = _clipped_mean(parts, weights, candidates, own, shape, policy, notes)
     left_out = frozenset(rejected)
     for index, note in notes.items():
         rejected.setdefault(index, note)  # a clamped weight is reported too (the sender still counts)
     return result, rejected, left_out
+
+
+def _clipped_mean(
+    parts: list[torch.Tensor], weights: list[float], candidates: list[int], own: int | None, shape: torch.Size,
+    policy: RobustPolicy, notes: dict[int, str],
+) -> torch.Tensor:
+    """c + sum_i w_i clip(p_i - c, tau) / sum_i w_i over the candidates, in sender order (see the module docstring);
+    notes the senders whose deviation was cut to less than half. Zeros when there is no candidate."""
+    if not candidates:
+        return torch.zeros(shape, dtype=torch.float32)
+    stacked = torch.stack([parts[i].reshape(-1) for i in candidates])
+    count = len(candidates)
+    if count >= 3:
+        ordered = stacked.sort(dim=0).values  # each coordinate's median: the mean of the middle two for an even count
+        centre = (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
+    elif own in candidates:
+        centre = parts[own].reshape(-1).clone()  # two senders: neither is a majority; we trust our own part
+    else:
+        return _weighted_mean(stacked, [weights[i] for i in candidates]).view(shape)
+    deviations = stacked - centre
+    distances = deviations.norm(dim=1)
+    if count >= 3:
+        ordered = distances.sort().values
+        scale = float(ordered[(count - 1) // 2] + ordered[count // 2]) / 2  # the median deviation
+    else:  # the other's deviation is bounded by our own part's norm, times how many more tokens it declared
+        other = next(i for i in candidates if i != own)
+        ratio = weights[other] / weights[own] if weights[own] > 0 else policy.result_weight_scale_cap
+        scale = float(centre.norm()) * min(policy.result_weight_scale_cap, max(1.0, ratio))
+    radius = policy.clip_ratio * scale
+    for row, index in enumerate(candidates):
+        distance = float(distances[row])
+        if distance > radius:
+            deviations[row].mul_(radius / distance if distance > 0 else 0.0)
+            if distance > 2 * radius:
+                notes.setdefault(index, f"deviation {distance:.3g} from the centre cut to {radius:.3g}")
+    return (centre + _weighted_mean(deviations, [weights[i] for i in candidates])).view(shape)
+
+
+def _weighted_mean(rows: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """Rows averaged with ``weights`` (equal shares when they sum to 0), summed in row order."""
+    total = sum(weights)
+    result = torch.zeros(rows.shape[1], dtype=torch.float32)
+    for row, weight in zip(rows, weights):
+        result.add_(row, alpha=weight / total if total > 0 else 1.0 / len(weights))
+    return result
 
 
 def demote_reducers(
@@ -201,17 +259,30 @@ def banned_by_majority(
     )
 
 
-def result_problem(result: torch.Tensor, sent: torch.Tensor, policy: RobustPolicy, weight_ratio: float = 1.0) -> str | None:
+def result_problem(
+    result: torch.Tensor, sent: torch.Tensor, policy: RobustPolicy, weight_ratio: float = 1.0,
+    declared_norms: Sequence[float] | None = None,
+) -> str | None:
     """Why an averaged part returned by a reducer must not be applied, or None if it may.
 
-    The average of accepted parts is at most ``max_norm_ratio`` times the median sender's norm, so a result far
-    larger than what we sent is garbage: more than ``result_norm_ratio`` times our part's norm, times
-    ``weight_ratio`` (the group's largest weight over ours, within [1, ``result_weight_scale_cap``]: a sender
-    that trained more tokens sends a larger outer gradient). So is a wrong shape or a non-finite value.
+    With ``declared_norms`` (the norms the group's members declared for this part, ours among them): a centered-clipped
+    mean is at most about (1 + 2 ``clip_ratio``) honest norms, so a result over ``result_median_ratio`` times their
+    upper median (an honest member's, when honest members are a majority) is refused. Without them: more than
+    ``result_norm_ratio`` times our part's norm, times ``weight_ratio`` (the group's largest weight over ours, within
+    [1, ``result_weight_scale_cap``]: a sender that trained more tokens sends a larger outer gradient). A wrong
+    shape or a non-finite value is refused either way.
     """
     problem = part_problem(result, sent.shape)
     if problem is not None:
         return problem
+    if declared_norms:
+        # the upper median: a member that just caught up declares a tiny norm, a hostile one a huge one; with honest
+        # members a majority, the upper median is an honest norm no smaller than the typical one
+        median = sorted(declared_norms)[len(declared_norms) // 2]
+        norm = float(result.norm())
+        if median > 0 and norm > policy.result_median_ratio * median:
+            return f"norm {norm:.3g} > {policy.result_median_ratio:g}x the median norm the group declared ({median:.3g})"
+        return None
     if result_excess(result, sent, policy, weight_ratio) > 1.0:
         limit = _result_limit(policy, weight_ratio)
         return f"norm {float(result.norm()):.3g} > {limit:.3g}x the norm we sent ({float(sent.norm()):.3g})"

@@ -34,7 +34,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from p2p_diloco import history
-from p2p_diloco.averaging import WireCodec, part_values_for, run_averaging
+from p2p_diloco.averaging import WireCodec, part_norms_of, part_values_for, run_averaging
 from p2p_diloco.compression import ErrorFeedback, make_codec
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.guarded import GuardedAllReduceRunner, GuardedAverager
@@ -43,6 +43,7 @@ from p2p_diloco.link import AveragingOutcome, RoundView, SwarmState, codec_round
 from p2p_diloco.membership import RunMembership
 from p2p_diloco.outer import state_sha256
 from p2p_diloco.robust import TokenLedger, banned_by_majority
+from p2p_diloco.verify import state_problem
 
 logger = logging.getLogger(__name__)
 _DHT_TIMEOUT_S = 10.0
@@ -54,6 +55,7 @@ _DHT_EVERY = 10
 _PUSH_LIMIT = 64  # a record is pushed to at most this many known peers (the nearest to the key first)
 _INTRODUCE_LIMIT = 8  # peers pinged per DHT read at most (chosen at random: anyone can write records under any id)
 _INTRODUCE_AGAIN_S = 60.0  # a peer pinged is not pinged again for this long
+_CLAIMS_TO_BAN = 3  # unbacked heads a peer may claim before it is banned (history.unbacked_claims)
 
 
 def read_progress(dht: DHT, key: str, timeout_s: float = _DHT_TIMEOUT_S, local: bool = False) -> dict[str, dict]:
@@ -405,6 +407,7 @@ class SwarmLink:
         self.peer_id = self.dht.peer_id.to_base58()
         self._progress_key = f"{config.run_id}.progress"
         self._fragments, self._ledger = fragments, TokenLedger()
+        self._template_shapes = [tuple(t.shape) for t in template]  # what one averaging carries (a served average too)
         logger.info(membership.describe())
         self.codec = make_codec(config.compression)
         # one residual per streaming fragment: outer step r carries fragment r % fragments
@@ -420,6 +423,11 @@ class SwarmLink:
         # senders whose parts our reducer left out of our latest averaging: they add nothing to the outer step,
         # so they don't count in our round's budget (see round_view)
         self._left_out: frozenset[str] = frozenset()
+        # peers whose claims of the swarm's history no majority backed, or whose states did not verify (history.py)
+        self._history_banned: frozenset[str] = frozenset()
+        self._claims: dict[str, set[history.Node]] = {}  # peer -> the unbacked heads it claimed
+        self._bad_states: dict[str, int] = {}  # donor -> states of its that did not verify
+        self._anchors = frozenset(_peer_ids(config.initial_peers))  # a fresh peer breaks a tie by their word
         self._beacon: ProgressBeacon | None = None
         # the beacon's pace (_pace): fast until then (monotonic), and the live peers it saw
         self._fast_until = time.monotonic() + _NEAR_PERIODS * config.idle_period_s
@@ -489,24 +497,55 @@ class SwarmLink:
             self.refresh_donor_priority(int(fields["outer_step"]), str(fields.get("global_sha256", "")))
 
     def refresh_donor_priority(self, outer_step: int, global_sha256: str) -> None:
-        """Donors are tried highest priority first: the furthest outer step, then the swarm's canonical bytes."""
+        """Donors are tried highest priority first: the furthest outer step. (A priority is anyone's word: a
+        downloader checks the state it gets against the one it chose, and asks the next donor if it differs.)"""
         assert self._averager is not None
         if self.reachability.mode == "client":
             return  # a client serves no state
-        canonical = self.canonical_sha(outer_step, global_sha256) == global_sha256
-        self._averager.state_sharing_priority = float(outer_step) + (0.5 if canonical else 0.0)
-
-    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
-        """The state sha256 the live peers hold for ``outer_step`` (history.canonical_sha)."""
-        return history.canonical_sha(self.live_peers(), outer_step, own_sha)
+        self._averager.state_sharing_priority = float(outer_step)
 
     def reported_sha256(self, outer_step: int) -> dict[str, str]:
         """The state sha256 each live peer reports for ``outer_step``, by peer id."""
         return history.reported_sha256(self.live_peers(), outer_step)
 
-    def agreed_sha(self, outer_step: int) -> str | None:
-        """The sha256 at least half of the live peers reporting ``outer_step`` published (history.agreed_sha)."""
-        return history.agreed_sha(self.live_peers(), outer_step)
+    def swarm_target(self, chain: Sequence[history.Node], fresh: bool) -> history.Target | None:
+        """The state this peer should take, by what the live peers vouch for (history.choose_target); notes, says once
+        and in the end bans the peers that claim steps no majority backs."""
+        records = self.live_peers()
+        target = history.choose_target(self._unbanned(records), chain, fresh, self.peer_id, self._anchors)
+        if target is None and not fresh:  # nothing to follow: heads far ahead are claims the swarm does not back
+            self._note_claims(records, chain)
+        if target is not None and target.step <= chain[-1][0]:  # a fork or another history: say who vouches for what
+            heads = {peer[-8:]: [f"{step}:{sha[:8]}" for step, sha in history.chain_of(r)] for peer, r in records.items()}
+            logger.info("our head %d:%s; the others' chains: %s", chain[-1][0], chain[-1][1][:8], heads)
+        return target
+
+    def _note_claims(self, records: dict[str, dict], chain: Sequence[history.Node]) -> None:
+        for peer, node in history.unbacked_claims(records, chain, self.peer_id).items():
+            claims = self._claims.setdefault(peer, set())
+            if node in claims:
+                continue
+            claims.add(node)
+            if len(claims) >= _CLAIMS_TO_BAN and peer not in self._history_banned:
+                logger.warning("banning %s: it claimed %d outer steps that no majority of the swarm vouches for",
+                               peer, len(claims))
+                self._history_banned = self._history_banned | {peer}
+                self._publish_bans()
+            else:
+                logger.warning("ignoring outer step %d claimed by %s: no majority of the swarm vouches for it", node[0], peer)
+
+    def refuse_donor(self, donor: str, reason: str) -> None:
+        """A state the learner could not verify (a next step that did not recompute, or whose average failed the
+        checks): a donor that serves two such states is banned."""
+        self._bad_states[donor] = self._bad_states.get(donor, 0) + 1
+        if self._bad_states[donor] >= 2 and donor not in self._history_banned:
+            logger.warning("banning %s: it served states that did not verify (%s)", donor, reason)
+            self._history_banned = self._history_banned | {donor}
+            self._publish_bans()
+
+    def _publish_bans(self) -> None:
+        if self._beacon is not None:  # the others take our word for it once most of them agree
+            self._beacon.update(banned=sorted(self._banned | self._history_banned))
 
     def live_peers(self) -> dict[str, dict]:
         """Progress records of the other peers whose record has not expired, who have not said they left and whom
@@ -524,7 +563,7 @@ class SwarmLink:
 
     def _unbanned(self, peers: dict[str, dict]) -> dict[str, dict]:
         # banned peers can't join our groups: waiting for them would stall every round
-        excluded = self._banned | self._shunned
+        excluded = self._banned | self._shunned | self._history_banned
         return {peer: record for peer, record in peers.items() if peer not in excluded}
 
     def progress_records(self) -> dict[str, dict]:
@@ -540,10 +579,6 @@ class SwarmLink:
         if beacon is None:
             return 0
         return sum(int(r.get("outer_step", -1)) < outer_step for r in list(beacon.peers.values()))
-
-    def swarm_outer_step(self) -> int:
-        """The highest outer step that any live peer reports (-1 when alone; history.swarm_outer_step)."""
-        return history.swarm_outer_step(self.live_peers())
 
     # averaging ------------------------------------------------------------------------------------
 
@@ -596,7 +631,8 @@ class SwarmLink:
         assert self._averager is not None
         try:
             self._averager.take_rejections()  # left over from an abandoned attempt
-            self._averager.set_allowed_weights(self._ledger.allowed(outer_step, rounds=2 * self._fragments), self._shunned)
+            self._averager.set_allowed_weights(self._ledger.allowed(outer_step, rounds=2 * self._fragments),
+                                               self._shunned | self._history_banned)
         except Exception as e:  # the averager process is gone or stuck: run_averaging reports it
             logger.debug("could not pass the weight limits to the averager: %r", e)
         beacon = self._beacon
@@ -604,14 +640,15 @@ class SwarmLink:
         outcome = run_averaging(
             self._averager, tensors, weight, outer_step, self.config.averaging_timeout_s, 1 + len(live),
             lambda: self._moved_past(outer_step), base=str(base) if base else None,
+            part_norms=part_norms_of(tensors, self._averager.wire_codec.part_values),
         )
         rejected = tuple(self._averager.take_rejections())
         if outcome.averaged is not None:
             self._participants = self._participants | set(outcome.peers)
         banned = self._averager.banned_peers()
-        if banned != self._banned and beacon is not None:
-            beacon.update(banned=sorted(banned))  # the others take our word for it once most of them agree
-        self._banned = banned
+        if banned != self._banned:
+            self._banned = banned
+            self._publish_bans()
         self._left_out = self._averager.left_out_senders()
         return dataclasses.replace(outcome, rejected=rejected) if rejected else outcome
 
@@ -632,11 +669,15 @@ class SwarmLink:
         return self._unbanned(peers)
 
     def _moved_past(self, outer_step: int) -> bool:
-        """Some live peer already reports a later outer step: a group for ``outer_step`` will not form any more."""
+        """A group for ``outer_step`` will not form any more: a majority took a later step on our history, or every
+        other peer is past it (history.moved_past). A claim of a later step that no majority backs does not count."""
         beacon = self._beacon
         if beacon is None:  # closing: the averaging in flight is abandoned
             return True
-        return any(int(r.get("outer_step", -1)) > outer_step for r in list(beacon.peers.values()))
+        chain = history.chain_of(beacon.own_record())
+        if not chain or chain[-1][0] != outer_step:
+            return False
+        return history.moved_past(self._unbanned(dict(beacon.peers)), chain, self.peer_id)
 
     def average_async(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> Future:
         """Start averaging in a background thread and return at once; the future holds the outcome."""
@@ -739,11 +780,11 @@ class SwarmLink:
 
     # state download -------------------------------------------------------------------------------
 
-    def download_state(self, num_params: int) -> SwarmState | None:
-        """Download the global state from a peer ahead of us and verify its sha256 against the swarm's records.
-
-        Returns None if no donor gave a verifiable state within ``state_timeout_s``.
-        """
+    def download_state(self, shapes: Sequence[Sequence[int]], target: history.Target) -> SwarmState | None:
+        """Download ``target``'s state from a donor that holds it and verify it whole (verify.state_problem) and
+        against ``target``'s sha256. A donor that serves anything else is refused and the next one asked; once every
+        donor was asked, the target is chosen again from fresh records (the swarm may have moved on). Returns None if
+        no donor gave a verifiable state within ``state_timeout_s``."""
         assert self._averager is not None
         deadline = time.monotonic() + self.config.state_timeout_s
         refused: set[str] = set()  # donors whose state failed verification: the next one in priority is asked
@@ -756,11 +797,14 @@ class SwarmLink:
                 logger.warning("state download failed: %s", first_line(e))
                 loaded = None
             if loaded is None:
-                refused.clear()  # nobody else had it: give everyone another chance (the swarm may have moved)
+                refused.clear()  # nobody else had it: give everyone another chance, for what the swarm holds now
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                target = self._retarget(target)
+                if target is None:
+                    return None
                 continue
             metadata, tensors, donor = loaded
-            state = self._verified_state(metadata, tensors, num_params=num_params, donor=donor)
+            state = self._verified_state(metadata, tensors, shapes, donor, target)
             if isinstance(state, SwarmState):
                 self._participants = self._participants.union(*state.round_history.values())
                 return dataclasses.replace(state, refused_donors=tuple(sorted(reasons.items())))
@@ -769,31 +813,48 @@ class SwarmLink:
             reasons.setdefault(donor, state)
         return None
 
+    def _retarget(self, target: history.Target) -> history.Target | None:
+        """What to download now, for the chain we published and the freshness ``target`` implies."""
+        beacon = self._beacon
+        chain = history.chain_of(beacon.own_record()) if beacon is not None else ()
+        if not chain:
+            return target
+        return self.swarm_target(chain, fresh=target.how == "fresh")
+
     def _verified_state(
-        self, metadata: object, tensors: Sequence[torch.Tensor], num_params: int, donor: str
+        self, metadata: object, tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], donor: str,
+        target: history.Target,
     ) -> SwarmState | str:
-        """The donor's state if its params and momentum hash to the sha256 that the swarm's peers published for its
-        outer step (``agreed_sha``), otherwise why not."""
-        if not isinstance(metadata, dict) or len(tensors) != 2 * num_params:
+        """The donor's state if it is whole (verify.state_problem) and hashes to ``target``'s sha256 at its outer step,
+        otherwise why not."""
+        count = len(shapes)
+        if not isinstance(metadata, dict) or len(tensors) not in (2 * count, 2 * count + len(self._template_shapes)):
             return "malformed state"
-        params, momentum = [t.float() for t in tensors[:num_params]], [t.float() for t in tensors[num_params:]]
+        params, momentum = list(tensors[:count]), list(tensors[count : 2 * count])
+        problem = state_problem(metadata, params, momentum, shapes)
+        if problem is not None:
+            return problem
         digest = state_sha256(params, momentum)
-        try:
-            outer_step = int(metadata.get("outer_step", -1))
-        except (TypeError, ValueError):
-            return "malformed outer step"
-        expected = self.agreed_sha(outer_step)
-        if digest != expected or digest != metadata.get("global_sha256"):
-            return f"its params and momentum for outer step {outer_step} do not hash to the sha256 the swarm's peers published"
+        if (metadata["outer_step"], digest) != target.node or digest != metadata.get("global_sha256"):
+            return f"its state is not outer step {target.step} with the sha256 the swarm vouches for ({target.how})"
+        average = list(tensors[2 * count :]) or None
+        if average is not None and [tuple(t.shape) for t in average] != self._template_shapes:
+            average = None  # not an average of ours: the state stands, no next step can be recomputed from it
+        parent = metadata.get("parent_sha256")
+        chain = history.chain_of(dict(outer_step=metadata["outer_step"], global_sha256=digest, recent=metadata.get("recent")))
         return SwarmState(
-            outer_step=outer_step,
+            outer_step=metadata["outer_step"],
             global_params=params,
             momentum=momentum,
-            outer_steps_taken=int(metadata.get("outer_steps_taken", outer_step)),
-            steps_into_round=int(metadata.get("steps_into_round", 0)),
+            outer_steps_taken=metadata["outer_steps_taken"],
+            steps_into_round=metadata["steps_into_round"],
             global_sha256=digest,
             donor=donor,
             round_history=_parse_history(metadata.get("round_history")),
+            chain=chain,
+            parent_sha256=parent if isinstance(parent, str) else None,
+            last_average=[t.float() for t in average] if average is not None else None,
+            how=target.how,
         )
 
     def close(self) -> None:
@@ -864,6 +925,17 @@ def _tokens_now(record: dict, now: float, horizon_s: float) -> int:
     if not math.isfinite(extra):
         return tokens  # a hostile or broken record (rate inf or 1e308: int() of it raised in the learner's loop)
     return tokens + int(extra)
+
+
+def _peer_ids(addresses: Sequence[str]) -> list[str]:
+    """The peer ids in multiaddrs' /p2p/ parts (malformed ones skipped)."""
+    found = []
+    for address in addresses:
+        try:
+            found.append(str(Multiaddr(address)["p2p"]))
+        except Exception:
+            continue
+    return found
 
 
 def _parse_history(value: object) -> dict[int, tuple[str, ...]]:

@@ -1,44 +1,118 @@
-"""The rule by which every peer picks the swarm's history (history.py, docs/design.md §4): the highest outer step,
-then the bytes most peers report, then the smallest sha256; two sides of a partition pick the same winner."""
+"""Which history a peer takes (history.py, docs/design.md §4), decided on progress records alone: catching up to
+what a majority vouches for, never to a lone claim; the cases that must keep working (a late joiner, a peer
+resumed from an old checkpoint, a swarm of two, a partition); same-step forks; unbacked claims."""
 
 from __future__ import annotations
 
-from p2p_diloco.history import agreed_sha, canonical_sha, reported_sha256, swarm_outer_step
+import hashlib
 
-A, B, C = "a" * 64, "b" * 64, "c" * 64
-
-
-def _view(records: dict[str, tuple[int, str]], me: str) -> dict[str, dict]:
-    """What peer ``me`` reads: every other peer's record."""
-    return {peer: dict(outer_step=step, global_sha256=sha) for peer, (step, sha) in records.items() if peer != me}
+from p2p_diloco.history import CHAIN, Target, chain_of, choose_target, moved_past, unbacked_claims
 
 
-def _decision(records: dict[str, tuple[int, str]], me: str) -> tuple[int, str]:
-    """(outer step, sha256) peer ``me`` ends on: the swarm's step if it is behind, else the canonical bytes."""
-    view, (step, sha) = _view(records, me), records[me]
-    ahead = swarm_outer_step(view)
-    if ahead > step:
-        return ahead, canonical_sha(view, ahead)
-    return step, canonical_sha(view, step, sha)
+def sha(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()
 
 
-def test_two_sides_of_a_partition_merge_onto_the_same_history():
-    # more peers on one side, further ahead on the other: the highest step wins, seen from either side
-    swarm = {"p1": (10, A), "p2": (10, A), "p3": (12, B)}
-    assert {_decision(swarm, peer) for peer in swarm} == {(12, B)}
-    # the same step on other bytes: the bytes most peers hold win
-    swarm = {"p1": (10, A), "p2": (10, A), "p3": (10, B)}
-    assert {_decision(swarm, peer) for peer in swarm} == {(10, A)}
-    # a tie goes to the smallest sha256, whichever side decides
-    swarm = {"p1": (7, C), "p2": (7, B)}
-    assert {_decision(swarm, peer) for peer in swarm} == {(7, B)}
+def history(tag: str, last: int, first: int = 0) -> list[tuple[int, str]]:
+    """A chain of heads ``first..last`` of the history named ``tag``."""
+    return [(step, sha(f"{tag}{step}")) for step in range(first, last + 1)]
 
 
-def test_agreed_sha_needs_half_of_the_peers_reporting_the_step():
-    records = {"p1": dict(outer_step=5, global_sha256=A), "p2": dict(outer_step=5, global_sha256=A),
-               "p3": dict(outer_step=5, global_sha256=B), "p4": dict(outer_step=4, global_sha256=C)}
-    assert agreed_sha(records, 5) == A and agreed_sha(records, 4) == C and agreed_sha(records, 6) is None
-    assert agreed_sha({"p1": dict(outer_step=5, global_sha256=A), "p2": dict(outer_step=5, global_sha256=B),
-                       "p3": dict(outer_step=5, global_sha256=C)}, 5) is None  # no bytes with half the votes
-    assert reported_sha256(records, 5) == {"p1": A, "p2": A, "p3": B}
-    assert swarm_outer_step({}) == -1 and canonical_sha({}, 3) is None
+def record(chain: list[tuple[int, str]]) -> dict:
+    step, digest = chain[-1]
+    return dict(outer_step=step, global_sha256=digest, recent=[list(node) for node in chain[:-1]])
+
+
+def view(peers: dict[str, list[tuple[int, str]]]) -> dict[str, dict]:
+    return {peer: record(chain) for peer, chain in peers.items()}
+
+
+def test_a_record_lists_a_bounded_well_formed_chain_with_its_head_last():
+    chain = chain_of(record(history("a", 20)))
+    assert len(chain) == CHAIN and chain[-1] == (20, sha("a20")) and [step for step, _ in chain] == list(range(13, 21))
+    hostile = dict(outer_step=5, global_sha256=sha("a5"), recent=[[6, sha("x")], [3, "zz"], ["4", sha("y")], [2, sha("a2")]])
+    assert chain_of(hostile) == ((2, sha("a2")), (5, sha("a5")))  # later steps, bad hashes and bad steps dropped
+    assert chain_of(dict(outer_step=float("nan"), global_sha256=sha("a"))) == ()
+
+
+def test_a_peer_behind_catches_up_to_what_most_peers_vouch_for_never_to_a_lone_claim():
+    honest = history("h", 11)
+    liar = [*history("h", 10), *history("x", 16, first=11)]  # vouches for our history, then claims 6 steps more
+    records = view({"b": honest, "c": honest, "x": liar})
+    own = history("h", 10)  # our round at step 10 failed
+    assert choose_target(records, own, fresh=False, own_id="a") == Target(11, sha("h11"), "majority")
+    assert unbacked_claims(records, own, own_id="a") == {"x": (16, sha("x16"))}
+    # all honest peers on step 11: the claim moves nobody and makes no search stale
+    records = view({"b": honest, "c": honest, "x": [*history("h", 11), *history("x", 16, first=12)]})
+    assert choose_target(records, honest, fresh=False, own_id="a") is None
+    assert not moved_past(records, honest, own_id="a")
+
+
+def test_two_colluders_of_five_move_nobody():
+    honest = history("h", 9)
+    for fork in (3, 9):  # colluders that left our history long ago, or that vouch for all of it and claim more
+        fake = [*history("h", fork - 1), *history("x", 14, first=fork)]
+        records = view({"b": honest, "c": honest, "x": fake, "y": fake})
+        assert choose_target(records, honest, fresh=False, own_id="a") is None
+        assert set(unbacked_claims(records, honest, own_id="a")) == {"x", "y"}
+        # behind by a failed round: the honest next step, which the learner checks by recomputing it
+        assert choose_target(records, history("h", 8), fresh=False, own_id="a").node == (9, sha("h9"))
+        # a late joiner, two honest peers against two colluders: only the peer it joined through breaks the tie
+        assert choose_target(records, [(0, sha("init"))], fresh=True, own_id="a") is None
+        assert choose_target(records, [(0, sha("init"))], fresh=True, own_id="a", anchors={"b"}) == Target(9, sha("h9"), "fresh")
+    early = view({"b": history("h", 5), "c": history("h", 5), "x": history("h", 5)})
+    assert choose_target(early, history("h", 0), fresh=True, own_id="a") == Target(5, sha("h5"), "majority")
+
+
+def test_a_late_joiner_and_a_resumed_peer_take_the_swarms_history():
+    swarm = view({"b": history("h", 20), "c": history("h", 20), "x": history("x", 27)})
+    assert choose_target(swarm, history("h", 0), fresh=True, own_id="a") == Target(20, sha("h20"), "fresh")
+    assert choose_target(swarm, history("h", 5), fresh=True, own_id="a") == Target(20, sha("h20"), "fresh")
+    # a second peer joining a swarm of one has nobody else to believe
+    assert choose_target(view({"b": history("h", 20)}), history("h", 0), fresh=True, own_id="a") == Target(20, sha("h20"), "fresh")
+    # ... but a peer with a history of its own does not follow a lone peer somewhere else
+    assert choose_target(view({"x": history("x", 20)}), history("h", 12), fresh=False, own_id="a") is None
+    # and the first peer, which trained alone (still fresh), does not go back to the second's start
+    assert choose_target(view({"b": [(0, sha("init"))]}), history("h", 21), fresh=True, own_id="a") is None
+
+
+def test_in_a_swarm_of_two_the_next_step_is_taken_only_as_a_checked_next_step():
+    partner = history("h", 11)
+    assert choose_target(view({"b": partner}), history("h", 10), fresh=False, own_id="a") == Target(11, sha("h11"), "next")
+    assert moved_past(view({"b": partner}), history("h", 10), own_id="a")  # nobody left at step 10 to group with
+    far = history("h", 14)
+    assert choose_target(view({"b": far}), history("h", 10), fresh=False, own_id="a") is None  # no majority of one
+
+
+def test_a_partition_merges_onto_the_larger_side_even_at_a_lower_step():
+    small, large = [*history("h", 8), *history("b", 14, first=9)], [*history("h", 8), *history("a", 10, first=9)]
+    peers = {"a1": large, "a2": large, "a3": large, "b1": small, "b2": small}
+    records = view(peers)
+    decisions = {peer: choose_target(records, chain, fresh=False, own_id=peer) for peer, chain in peers.items()}
+    assert decisions == {"a1": None, "a2": None, "a3": None, "b1": Target(10, sha("a10"), "majority"),
+                         "b2": Target(10, sha("a10"), "majority")}
+    halves = {"a1": large, "a2": large, "b1": small, "b2": small}  # no majority: both halves keep their own
+    records = view(halves)
+    assert all(choose_target(records, chain, fresh=False, own_id=peer) is None for peer, chain in halves.items())
+
+
+def test_a_same_step_fork_goes_to_the_better_vouched_bytes_then_the_smaller_hash():
+    base = history("h", 6)
+    left, right = [*base, (7, sha("left"))], [*base, (7, sha("right"))]
+    smaller, larger = sorted([left, right], key=lambda chain: chain[-1][1])
+    assert choose_target(view({"b": larger}), smaller, fresh=False, own_id="a") is None
+    assert choose_target(view({"b": smaller}), larger, fresh=False, own_id="a") == Target(*smaller[-1], "fork")
+    records = view({"b": left, "c": left, "d": left})
+    assert choose_target(records, right, fresh=False, own_id="e") == Target(*left[-1], "majority")
+    records = view({"b": left, "c": left, "d": right})  # two against two: the smaller hash, on both sides
+    assert {choose_target(records, right, fresh=False, own_id="e"), choose_target(view({"b": left, "d": right, "e": right}),
+            left, fresh=False, own_id="c")} - {None} == {Target(*smaller[-1], "fork")}
+
+
+def test_a_peer_one_step_ahead_of_everyone_keeps_its_head():
+    """Its chain no longer reaches back as far as theirs: their oldest heads are our history too, not another one."""
+    others = history("h", 31)
+    records = view({"b": others, "c": others, "d": others})
+    assert choose_target(records, history("h", 32), fresh=False, own_id="a") is None
+    assert choose_target(records, history("h", 32), fresh=True, own_id="a") is None
+    assert not unbacked_claims(records, history("h", 32), own_id="a") and not moved_past(records, history("h", 32), "a")

@@ -8,6 +8,7 @@ from concurrent.futures import Future
 import torch
 
 from p2p_diloco.config import InnerConfig
+from p2p_diloco.history import Node, Target
 from p2p_diloco.learner import Learner, PendingAveraging
 from p2p_diloco.link import AveragingOutcome, ImmediateAveraging, SwarmState
 from p2p_diloco.metrics import NullSink
@@ -36,13 +37,12 @@ class AheadLink(ImmediateAveraging):
         self.averaged.append(dict(tensors=snapshot(tensors), weight=weight, outer_step=outer_step))
         return AveragingOutcome(snapshot(tensors), (self.peer_id,), weight, "ok")
 
-    def swarm_outer_step(self) -> int:
-        return self.swarm_step
+    def swarm_target(self, chain: Sequence[Node], fresh: bool) -> Target | None:
+        if self.swarm_step <= chain[-1][0]:
+            return None  # no other bytes in the swarm, and nobody ahead
+        return Target(self.swarm_step, self.state.global_sha256 if self.state else "0" * 64, "majority")
 
-    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
-        return own_sha  # no other bytes in the swarm: never a fork
-
-    def download_state(self, num_params: int) -> SwarmState | None:
+    def download_state(self, shapes: Sequence[Sequence[int]], target: Target) -> SwarmState | None:
         self.downloads += 1
         return self.state
 
@@ -112,7 +112,7 @@ def test_catch_up_takes_the_swarm_state_and_rebases_local_progress(make_config):
     assert learner.catch_ups == 1 and learner.forks_healed == 0
     assert learner.pending is None and learner.round_index == 7
     steps_published = [fields for fields in link.published if "outer_step" in fields]
-    assert steps_published[-1] == dict(outer_step=7, global_sha256=state.global_sha256, round=7)
+    assert steps_published[-1] == dict(outer_step=7, global_sha256=state.global_sha256, round=7, recent=[])
     assert link.published[-1]["stats"][0] == 7  # then the summary of its metrics record, for watchers (watch.py)
 
 
@@ -141,8 +141,9 @@ def test_no_download_when_the_swarm_is_not_ahead(make_config):
 def test_failed_or_stale_download_changes_nothing(make_config):
     learner = _learner_with_local_progress(make_config)
     old_global, old_local, old_sha = snapshot(learner.global_params), snapshot(learner.params), learner.global_sha256
-    stale = _swarm_state(learner, outer_step=0, steps_into_round=0)  # the donor is no further than we are
-    for link in (AheadLink(3, None), AheadLink(3, stale)):
+    ours = SwarmState(0, snapshot(learner.global_params), snapshot(learner.outer.momentum_buffers), 0, 0, old_sha,
+                      donor="donor-peer")  # the donor is no further than we are
+    for link in (AheadLink(3, None), AheadLink(3, ours)):
         assert learner._catch_up(link) is False
         assert link.downloads == 1
     assert learner.outer_step == 0 and learner.catch_ups == 0 and learner.global_sha256 == old_sha

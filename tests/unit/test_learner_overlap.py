@@ -63,17 +63,17 @@ class FakeLink:
         self.views_asked.append(round_index)
         return self.view
 
-    def swarm_outer_step(self) -> int:
-        return -1  # alone: nobody is ahead
+    def swarm_target(self, chain, fresh):
+        return None  # alone: nobody is ahead, nobody holds other bytes
 
     def peers_behind(self, outer_step: int) -> int:
         self.behind_asked.append(outer_step)
         return self.behind.pop(0) if self.behind else 0
 
-    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
-        return own_sha
+    def reported_sha256(self, outer_step: int) -> dict[str, str]:
+        return {}
 
-    def download_state(self, num_params: int) -> SwarmState | None:
+    def download_state(self, shapes, target) -> SwarmState | None:
         return None
 
     def publish(self, **fields: object) -> None:

@@ -6,6 +6,7 @@ thread count are checked in subprocesses: tests/integration/test_portable_arithm
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from p2p_diloco import compression
 from p2p_diloco.config import InnerConfig, ModelConfig
+from p2p_diloco.history import Target
 from p2p_diloco.learner import Learner
 from p2p_diloco.link import AveragingOutcome, SwarmState
 from p2p_diloco.metrics import NullSink
@@ -102,11 +104,8 @@ class GroupmatesLink(AheadLink):
         super().__init__(state.outer_step, state)
         self.groupmates, self.theirs = tuple(groupmates), theirs
 
-    def swarm_outer_step(self) -> int:
-        return self.state.outer_step
-
-    def canonical_sha(self, outer_step: int, own_sha: str | None = None) -> str | None:
-        return self.theirs
+    def swarm_target(self, chain, fresh) -> Target | None:
+        return Target(self.state.outer_step, self.theirs, "fork") if self.theirs != chain[-1][1] else None
 
     def reported_sha256(self, outer_step: int) -> dict[str, str]:
         return {peer: self.theirs for peer in self.groupmates} | {"stranger": "0" * 64}
@@ -132,7 +131,7 @@ def test_a_peer_whose_own_group_computed_its_step_otherwise_says_so_once_and_cou
 
     # a fork at a step this peer's group did not make (another group's) is a plain fork: no such line
     learner.round_history.clear()
-    learner.global_sha256 = ours
+    learner.global_sha256, learner.chain = ours, deque([(4, ours)])
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="p2p_diloco.learner"):
         learner._catch_up(link)

@@ -17,7 +17,7 @@ def _link(records: dict[str, dict], left_out: frozenset[str]) -> SwarmLink:
     link._period_now = link.config.progress_period_s
     link._beacon = SimpleNamespace(peers=records)
     link._left_out = left_out
-    link._shunned, link._participants = frozenset(), frozenset()
+    link._shunned, link._participants, link._history_banned = frozenset(), frozenset(), frozenset()
     return link
 
 

@@ -1,0 +1,73 @@
+"""Centered clipping (robust.py): adversaries just under every threshold move a part's average by no more than the
+stated bound, 2 (W_adv / W) tau, against the clipped mean of the honest senders; a group of two clips the other's
+deviation against our own part; a reducer's result is checked against the norms the group declared."""
+
+from __future__ import annotations
+
+import torch
+
+from p2p_diloco.portable import seeded_normal
+from p2p_diloco.robust import RobustPolicy, result_problem, robust_average
+
+SHAPE = torch.Size([4096])
+POLICY = RobustPolicy()
+
+
+def _honest(index: int) -> torch.Tensor:
+    # honest outer gradients share a direction and differ by noise: their parts correlate
+    return seeded_normal(4096, "shared").mul_(0.01) + seeded_normal(4096, f"honest {index}").mul_(0.005)
+
+
+def test_two_adversaries_of_five_just_under_every_threshold_move_the_average_by_at_most_the_bound():
+    honest = [_honest(i) for i in range(3)]
+    # the adversaries push one direction, 90x the honest norm per token (under the 100x the reducer refuses), and
+    # declare 9.5x the median weight (under the 10x cap)
+    push = seeded_normal(4096, "attack")
+    push.mul_(90 * float(honest[0].norm()) / float(push.norm()))
+    parts = [*honest, push, push.clone()]
+    weights = [1000.0, 1100.0, 900.0, 9500.0, 9500.0]
+    result, notes, left_out = robust_average(parts, weights, [None] * 5, SHAPE, POLICY)
+    assert not left_out  # nobody is over a threshold: all are averaged, the adversaries clipped
+    assert {3, 4} <= set(notes) and all("cut" in notes[i] or "clamped" in notes[i] for i in (3, 4))
+
+    clamped = [min(w, POLICY.max_weight_ratio * sorted(weights)[2]) for w in weights]
+    centre = torch.stack(parts).median(dim=0).values
+    deviations = [p - centre for p in parts]
+    radius = POLICY.clip_ratio * sorted(float(d.norm()) for d in deviations)[2]
+    clipped = [d * min(1.0, radius / float(d.norm())) for d in deviations]
+    honest_weight = sum(clamped[:3])
+    honest_mean = centre + sum(w * c for w, c in zip(clamped[:3], clipped[:3])) / honest_weight
+    share = sum(clamped[3:]) / sum(clamped)
+    moved = float((result - honest_mean).norm())
+    assert moved <= 2 * share * radius * (1 + 1e-4)
+    plain = sum(w * p for w, p in zip(clamped, parts)) / sum(clamped)  # a plain weighted mean, for scale
+    assert moved < float((plain - honest_mean).norm()) / 20
+
+
+def test_in_a_group_of_two_the_other_is_clipped_against_our_own_part():
+    own, other = _honest(0), _honest(1) * 50  # 50x our norm, with the same declared weight
+    result, notes, _ = robust_average([own, other], [1000.0, 1000.0], [None, None], SHAPE, POLICY, own=0)
+    deviation = float((other - own).norm())
+    limit = POLICY.clip_ratio * float(own.norm())
+    expected = own + (other - own) * (limit / deviation) / 2
+    torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-7)
+    assert "cut" in notes[1]
+    # a peer that trained 4x the tokens may deviate 4x as far (capped at result_weight_scale_cap)
+    bigger, _, _ = robust_average([own, other], [1000.0, 4000.0], [None, None], SHAPE, POLICY, own=0)
+    assert float((bigger - own).norm()) > 3 * float((result - own).norm())
+    # two honest peers of the same size: nothing is cut
+    calm, notes, _ = robust_average([own, _honest(1)], [1000.0, 1000.0], [None, None], SHAPE, POLICY, own=0)
+    torch.testing.assert_close(calm, (own + _honest(1)) / 2, rtol=1e-5, atol=1e-7)
+    assert not notes
+
+
+def test_a_result_is_checked_against_the_norms_the_group_declared():
+    sent = _honest(0)
+    declared = [float(sent.norm()), float(_honest(1).norm()), 1e6]  # a liar among the three declares a huge norm
+    median = sorted(declared)[1]
+    assert result_problem(sent * 5, sent, POLICY, declared_norms=declared) is None
+    problem = result_problem(sent * (POLICY.result_median_ratio * median / float(sent.norm()) * 1.1), sent, POLICY,
+                             declared_norms=declared)
+    assert problem is not None and "median norm the group declared" in problem
+    # with no declared norms (an earlier version), the looser check against what we sent
+    assert result_problem(sent * 50, sent, POLICY) is None and result_problem(sent * 200, sent, POLICY) is not None

@@ -1,0 +1,79 @@
+"""A downloaded state is checked whole (verify.state_problem), and a next step that no majority backs is taken only
+if it recomputes from our own state and its average passes a reducer result's checks (verify.next_step_problem)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2p_diloco.config import OuterConfig
+from p2p_diloco.link import SwarmState
+from p2p_diloco.outer import OuterOptimizer, Segment, state_sha256
+from p2p_diloco.portable import seeded_normal
+from p2p_diloco.verify import next_step_problem, state_problem
+
+SHAPES = [(6, 4), (5,)]
+
+
+def _tensors(key: str, scale: float = 1.0) -> list[torch.Tensor]:
+    return [seeded_normal(int(torch.Size(shape).numel()), f"{key} {i}").mul_(scale).view(shape) for i, shape in enumerate(SHAPES)]
+
+
+def _metadata(**changes) -> dict:
+    return dict(outer_step=7, outer_steps_taken=7, steps_into_round=3, round_history={"6": ["a", "b"]}) | changes
+
+
+def test_a_whole_honest_state_passes():
+    assert state_problem(_metadata(), _tensors("p"), _tensors("m", 0.1), SHAPES) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda p, m, md: (p[:1], m, md), "serves 1 params"),
+        (lambda p, m, md: ([p[0].double(), p[1]], m, md), "not float32"),
+        (lambda p, m, md: ([p[0].view(4, 6), p[1]], m, md), "not float32 (6, 4)"),
+        (lambda p, m, md: (p, [m[0], torch.full((5,), float("nan"))], md), "non-finite"),
+        (lambda p, m, md: (p, [m[0] * 1e4, m[1]], md), "momentum's norm"),
+        (lambda p, m, md: (p, m, _metadata(outer_steps_taken=3)), "took 3 outer steps to reach outer step 7"),
+        (lambda p, m, md: (p, m, _metadata(outer_step=-1)), "counters"),
+        (lambda p, m, md: (p, m, _metadata(steps_into_round=True)), "counters"),
+        (lambda p, m, md: (p, m, _metadata(round_history={"9": ["a"]})), "round history"),
+        (lambda p, m, md: (p, m, _metadata(round_history={"6": ["a"] * 2000})), "round history"),
+    ],
+)
+def test_a_state_that_is_not_whole_is_refused_with_the_reason(change, expected):
+    params, momentum, metadata = change(_tensors("p"), _tensors("m", 0.1), _metadata())
+    problem = state_problem(metadata, params, momentum, SHAPES)
+    assert problem is not None and expected in problem
+
+
+def _next_state(params, momentum, average, steps_taken: int, step: int, parent: str, segments) -> SwarmState:
+    new_params, new_momentum = [p.clone() for p in params], [m.clone() for m in momentum]
+    optimizer = OuterOptimizer(new_params, OuterConfig())
+    optimizer.load_state(new_momentum, steps_taken)
+    optimizer.step(average, segments)
+    sha = state_sha256(new_params, optimizer.momentum_buffers)
+    return SwarmState(step + 1, new_params, new_momentum, steps_taken + 1, 0, sha, "donor", parent_sha256=parent)
+
+
+def test_a_next_step_is_taken_only_if_it_recomputes_and_its_average_is_plausible():
+    params, momentum = _tensors("p"), _tensors("m", 0.01)
+    own_sha, segments = state_sha256(params, momentum), [Segment(0, 0, 24), Segment(1, 0, 5)]
+    sent = [piece.reshape(-1) for piece in _tensors("sent", 0.01)]
+    honest = [piece.reshape(-1) for piece in _tensors("avg", 0.01)]
+    state = _next_state(params, momentum, honest, 7, 7, own_sha, segments)
+    check = dict(own_step=7, global_params=params, momentum=momentum, steps_taken=7, own_sha256=own_sha,
+                 outer=OuterConfig(), segments=segments, sent=sent)
+    assert next_step_problem(state, averaged=honest, **check) is None
+    # served with another average than the one that made it: does not recompute
+    other = [piece + 1e-3 for piece in honest]
+    assert "does not give its bytes" in next_step_problem(state, averaged=other, **check)
+    # a consistent step from an average far larger than anything we sent: a reducer's result would be refused
+    huge = [piece * 1e5 for piece in honest]
+    assert "checks of a reducer's result" in next_step_problem(_next_state(params, momentum, huge, 7, 7, own_sha, segments),
+                                                                averaged=huge, **check)
+    # made from another state than ours, or with no average at all
+    assert "no average made from our state" in next_step_problem(
+        _next_state(params, momentum, honest, 7, 7, "0" * 64, segments), averaged=honest, **check)
+    assert "no average made from our state" in next_step_problem(state, averaged=None, **check)
