@@ -49,7 +49,9 @@ from p2p_diloco import checkpoint
 from p2p_diloco.launcher import LocalSwarm, wait_for_address
 from p2p_diloco.report import check_invariant_1, read_metrics
 
-SCENARIOS = ("calm", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor", "non_member", "non_member_allow_list")
+SCENARIOS = ("calm", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor", "non_member", "non_member_allow_list",
+             "ahead", "scaled_under", "weight_under", "reducer_under", "colluders")
+COLLUDING = {"colluders": "colluder"}  # scenarios of two adversaries (a swarm of five), and their --adversary kind
 STRANGERS = ("non_member", "non_member_allow_list")
 HONEST = ("honest0", "honest1", "honest2")
 BYSTANDER_OUTER_STEPS = 1_000_000  # it trains until the scenario stops it with the others
@@ -95,6 +97,9 @@ def run_scenario(name: str, out_dir: Path, flags: list[str], outer_steps: int, t
                 *begin, "--run-id", f"attack-{run}-bystander", "--max-outer-steps", str(BYSTANDER_OUTER_STEPS)])
         elif name in STRANGERS:
             swarm.start("adversary", shard=3, num_shards=4, extra=[*closed["adversary"], *begin])
+        elif name in COLLUDING:  # two of them, on the fourth shard: three honest peers among five
+            for peer in ("adversary", "adversary2"):
+                swarm.start(peer, shard=3, num_shards=4, extra=[*begin, "--adversary", COLLUDING[name]])
         else:
             swarm.start("adversary", shard=3, num_shards=4, extra=[*begin, "--adversary", name])
         for peer in swarm.peers.values():
@@ -126,14 +131,16 @@ def _own_checkpoints(folder: Path, peer: str) -> list[str]:
 
 def analyse(name: str, folder: Path, records: dict[str, list[dict]], wall_s: float) -> dict[str, Any]:
     honest = {peer: records.get(peer, []) for peer in HONEST}
-    adversary_id = next((r["peer_id"] for r in records.get("adversary", [])), None)
+    adversary_ids = [recs[0]["peer_id"] for peer, recs in sorted(records.items()) if peer.startswith("adversary") and recs]
+    adversary_id = adversary_ids[0] if adversary_ids else None
     final_step, final_loss = _final_eval(honest)
     named_in = [
         peer for peer, recs in honest.items()
-        if adversary_id and any(item.get("peer") == adversary_id for r in recs for item in r.get("rejected_peers", []))
+        if any(item.get("peer") in adversary_ids for r in recs for item in r.get("rejected_peers", []))
     ]
-    logged = [peer for peer in HONEST if adversary_id and _log_names(folder / f"{peer}.log", adversary_id)]
-    in_honest_group = any(adversary_id in r.get("peers", []) for recs in honest.values() for r in recs if r["status"] == "ok")
+    logged = [peer for peer in HONEST if any(_log_names(folder / f"{peer}.log", a) for a in adversary_ids)]
+    in_honest_group = any(a in r.get("peers", []) for a in adversary_ids for recs in honest.values() for r in recs
+                          if r["status"] == "ok")
     return dict(
         scenario=name,
         wall_s=round(wall_s, 1),
@@ -142,6 +149,7 @@ def analyse(name: str, folder: Path, records: dict[str, list[dict]], wall_s: flo
         final_eval_loss=final_loss,
         honest_non_finite=_non_finite(folder, honest),
         invariant_1=check_invariant_1(honest),
+        attacker_chosen_states=attacker_chosen_states(honest),
         honest_finish_s=max((recs[-1]["time_s"] for recs in honest.values() if recs), default=None),
         honest_blocked_s=round(sum(recs[-1]["blocked_s"] for recs in honest.values() if recs), 2),
         honest_failed_rounds=sum(r["status"] in ("partial", "error", "no_group") for recs in honest.values() for r in recs),
@@ -154,6 +162,15 @@ def analyse(name: str, folder: Path, records: dict[str, list[dict]], wall_s: flo
         adversary_refused_in_logs_of=logged,
         adversary_in_honest_group=in_honest_group,
     )
+
+
+def attacker_chosen_states(honest: dict[str, list[dict]]) -> list[str]:
+    """The states (sha256) an honest peer held that no honest peer computed: neither an honest start nor the result
+    of an honest peer's averaging (a group may hold an adversary: its influence there is the robust averaging's to
+    bound). Any such state came by download from a state an adversary chose."""
+    computed = {r["global_sha256"] for recs in honest.values() for r in recs if r.get("status") in ("ok", "init")}
+    held = {r["global_sha256"] for recs in honest.values() for r in recs if r.get("global_sha256")}
+    return sorted(held - computed)
 
 
 def _final_eval(honest: dict[str, list[dict]]) -> tuple[int | None, float | None]:
@@ -207,7 +224,10 @@ def _non_finite(folder: Path, honest: dict[str, list[dict]]) -> bool:
 
 
 def _log_names(path: Path, peer_id: str) -> bool:
-    return path.exists() and any("refused" in line and peer_id in line for line in path.read_text(errors="replace").splitlines())
+    """Whether an honest peer's log refuses, ignores or bans ``peer_id`` (its claims, its state, its requests)."""
+    words = ("refused", "claimed by", "banning", "donor")
+    return path.exists() and any(peer_id in line and any(word in line for word in words)
+                                 for line in path.read_text(errors="replace").splitlines())
 
 
 def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -228,7 +248,7 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for result in results:
         loss = result["final_eval_loss"]
         change = (loss - base) / base if loss is not None and base else None
-        named = bool(result["adversary_named_in_metrics_by"]) or (
+        named = bool(result["adversary_named_in_metrics_by"] or result["adversary_refused_in_logs_of"]) or (
             result["scenario"] in STRANGERS and not result["adversary_in_honest_group"]
         )
         point = at_equal[id(result)]
@@ -244,6 +264,7 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             eval_loss_at_equal_tokens=point[1] if point else None,
             vs_calm_at_equal_tokens=round((point[1] - base_equal) / base_equal, 4) if point and base_equal else None,
             honest_non_finite=result["honest_non_finite"],
+            attacker_chosen_states=len(result.get("attacker_chosen_states", [])),
             invariant_1=result["invariant_1"]["held"],
             delay_s=round(result["honest_finish_s"] - base_finish, 1)
             if result["honest_finish_s"] is not None and base_finish is not None else None,
@@ -269,8 +290,9 @@ def _run_with_retries(name: str, run: str, out_dir: Path, flags: list[str], args
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     head = ("| attack | outer steps | eval loss | vs calm | honest tokens | vs calm at equal honest tokens (step) "
-            "| honest non-finite | invariant 1 | delay (s) | failed honest rounds | stale honest rounds | adversary named |")
-    lines = [head, "|" + "---|" * 12]
+            "| honest non-finite | states an attacker chose, held by honest peers | invariant 1 | delay (s) "
+            "| failed honest rounds | stale honest rounds | adversary named |")
+    lines = [head, "|" + "---|" * 13]
     for row in rows:
         change = f"{100 * row['eval_loss_vs_calm']:+.2f}%" if row["eval_loss_vs_calm"] is not None else "-"
         loss = f"{row['eval_loss']:.4f}" if row["eval_loss"] is not None else "-"
@@ -280,7 +302,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         equal = f"{100 * equal:+.2f}% ({row['outer_step_at_equal_tokens']})" if equal is not None else "-"
         lines.append(
             f"| {row['run']} | {row['final_outer_step']} | {loss} | {change} | {tokens} | {equal} | {row['honest_non_finite']} | "
-            f"{'held' if row['invariant_1'] else 'VIOLATED'} | {row['delay_s']} | {row['honest_failed_rounds']} | "
+            f"{row.get('attacker_chosen_states', '-')} | {'held' if row['invariant_1'] else 'VIOLATED'} | {row['delay_s']} | {row['honest_failed_rounds']} | "
             f"{row.get('honest_stale_rounds', '-')} | {named} |"
         )
     return "\n".join(lines) + "\n"

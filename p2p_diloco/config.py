@@ -18,7 +18,8 @@ COMPRESSIONS = ("none", "fp16", "int8", "int4")
 REACHABILITY = ("auto", "direct", "relay", "client")  # how a peer takes part; see p2p_diloco/reachability.py
 PROGRESS_TRANSPORTS = ("push", "dht")  # how progress records travel; see ProgressBeacon in p2p_diloco/swarm.py
 # test-only misbehaviours of a peer (scripts/attack.py, tests/integration/test_robust.py); "" = honest
-ADVERSARIES = ("", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor")
+ADVERSARIES = ("", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor", "ahead", "scaled_under", "weight_under",
+               "reducer_under", "colluder")
 ISLAND_SHARDINGS = ("ddp", "fsdp")  # how the ranks of a torchrun island hold the model; see p2p_diloco/island.py
 PRECISIONS = ("auto", "fp32", "bf16")  # of the inner steps' forward and backward; see Island.autocast
 

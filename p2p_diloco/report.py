@@ -28,14 +28,17 @@ def read_metrics(path: str | Path) -> list[dict]:
 def check_invariant_1(records_by_peer: dict[str, list[dict]]) -> dict[str, Any]:
     """Every peer that reports outer step r must report the same global_sha256 for it (docs/design.md §3, invariant 1).
 
-    A peer may replace its bytes for a step only through an explicit ``fork_healed`` record (it found that
-    the swarm held other bytes for that step and downloaded them): such steps are counted as healed forks.
-    Any other disagreement, between peers' final bytes or within one peer, is a fork and fails the check.
+    A peer may leave its bytes for a step only by a download: a ``fork_healed`` record at that step (it found
+    that the swarm held other bytes for it), or a ``caught_up``/``fork_healed`` record next, which takes the swarm's
+    state at another step instead of carrying those bytes on. Such steps count as healed forks. Any other
+    disagreement, between peers' bytes that no download left or within one peer, is a fork and fails the check.
     """
     final: dict[int, dict[str, str]] = defaultdict(dict)  # step -> peer -> last sha
     forks: dict[int, set[str]] = defaultdict(set)
     healed: set[int] = set()
+    left: set[tuple[str, int, str]] = set()  # (peer, step, sha) a peer left by downloading another state
     for peer, records in records_by_peer.items():
+        last: tuple[int, str] | None = None
         for record in records:
             sha, step = record.get("global_sha256"), record.get("outer_step")
             if not sha or step is None:
@@ -46,10 +49,15 @@ def check_invariant_1(records_by_peer: dict[str, list[dict]]) -> dict[str, Any]:
                     healed.add(step)
                 else:
                     forks[step].update((previous, sha))
-            final[step][peer] = sha
+            if record.get("status") in ("caught_up", "fork_healed") and last is not None and last != (step, sha):
+                left.add((peer, *last))
+            final[step][peer], last = sha, (step, sha)
     for step, by_peer in final.items():
-        if len(set(by_peer.values())) > 1:
+        kept = {sha for peer, sha in by_peer.items() if (peer, step, sha) not in left}
+        if len(kept) > 1:
             forks[step].update(by_peer.values())
+        elif len(set(by_peer.values())) > 1:
+            healed.add(step)
     several = sum(len(by_peer) > 1 for by_peer in final.values())
     return dict(
         # "not checked" when no outer step was reported by two peers: a peer alone agrees with itself

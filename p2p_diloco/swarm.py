@@ -55,7 +55,7 @@ _DHT_EVERY = 10
 _PUSH_LIMIT = 64  # a record is pushed to at most this many known peers (the nearest to the key first)
 _INTRODUCE_LIMIT = 8  # peers pinged per DHT read at most (chosen at random: anyone can write records under any id)
 _INTRODUCE_AGAIN_S = 60.0  # a peer pinged is not pinged again for this long
-_CLAIMS_TO_BAN = 3  # unbacked heads a peer may claim before it is banned (history.unbacked_claims)
+_CLAIMS_TO_BAN = 3  # checks at which a peer may be found making an unbacked claim before it is banned (history.py)
 
 
 def read_progress(dht: DHT, key: str, timeout_s: float = _DHT_TIMEOUT_S, local: bool = False) -> dict[str, dict]:
@@ -425,7 +425,7 @@ class SwarmLink:
         self._left_out: frozenset[str] = frozenset()
         # peers whose claims of the swarm's history no majority backed, or whose states did not verify (history.py)
         self._history_banned: frozenset[str] = frozenset()
-        self._claims: dict[str, set[history.Node]] = {}  # peer -> the unbacked heads it claimed
+        self._claims: dict[str, tuple[set[history.Node], int]] = {}  # peer -> (unbacked heads said, checks it claimed at)
         self._bad_states: dict[str, int] = {}  # donor -> states of its that did not verify
         self._anchors = frozenset(_peer_ids(config.initial_peers))  # a fresh peer breaks a tie by their word
         self._beacon: ProgressBeacon | None = None
@@ -521,18 +521,18 @@ class SwarmLink:
         return target
 
     def _note_claims(self, records: dict[str, dict], chain: Sequence[history.Node]) -> None:
+        """Say each unbacked claim once; ban a peer found claiming at ``_CLAIMS_TO_BAN`` of our checks (one per round's
+        end, or failed round): a claim kept up, or one made anew each time."""
         for peer, node in history.unbacked_claims(records, chain, self.peer_id).items():
-            claims = self._claims.setdefault(peer, set())
-            if node in claims:
-                continue
-            claims.add(node)
-            if len(claims) >= _CLAIMS_TO_BAN and peer not in self._history_banned:
-                logger.warning("banning %s: it claimed %d outer steps that no majority of the swarm vouches for",
-                               peer, len(claims))
+            said, checks = self._claims.get(peer, (set(), 0))
+            if node not in said:
+                logger.warning("ignoring outer step %d claimed by %s: no majority of the swarm vouches for it", node[0], peer)
+            self._claims[peer] = (said | {node}, checks + 1)
+            if checks + 1 >= _CLAIMS_TO_BAN and peer not in self._history_banned:
+                logger.warning("banning %s: it claimed outer steps that no majority of the swarm vouches for, at %d "
+                               "of our checks", peer, checks + 1)
                 self._history_banned = self._history_banned | {peer}
                 self._publish_bans()
-            else:
-                logger.warning("ignoring outer step %d claimed by %s: no majority of the swarm vouches for it", node[0], peer)
 
     def refuse_donor(self, donor: str, reason: str) -> None:
         """A state the learner could not verify (a next step that did not recompute, or whose average failed the
@@ -635,8 +635,7 @@ class SwarmLink:
                                                self._shunned | self._history_banned)
         except Exception as e:  # the averager process is gone or stuck: run_averaging reports it
             logger.debug("could not pass the weight limits to the averager: %r", e)
-        beacon = self._beacon
-        base = beacon.own_record().get("global_sha256") if beacon is not None else None
+        base = self._base()
         outcome = run_averaging(
             self._averager, tensors, weight, outer_step, self.config.averaging_timeout_s, 1 + len(live),
             lambda: self._moved_past(outer_step), base=str(base) if base else None,
@@ -651,6 +650,11 @@ class SwarmLink:
             self._publish_bans()
         self._left_out = self._averager.left_out_senders()
         return dataclasses.replace(outcome, rejected=rejected) if rejected else outcome
+
+    def _base(self) -> str | None:
+        """The sha256 of the state our outer gradient was measured from: the one we last published."""
+        beacon = self._beacon
+        return beacon.own_record().get("global_sha256") if beacon is not None else None
 
     def _read_progress(self) -> dict[str, dict]:
         """The live peers' progress records, noting the tokens each peer published per round (weight limits).

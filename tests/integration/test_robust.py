@@ -245,3 +245,37 @@ def test_nan_and_scaled_adversaries_do_not_reach_honest_params(tmp_path, reaper)
         named = {item["peer"] for r in recs for item in r.get("rejected_peers", [])}
         assert {ids["nan"], ids["scaled"]} <= named, (name, named)
         assert any(r["status"] == "ok" and r["group_size"] >= 3 for r in recs)
+
+
+@pytest.mark.timeout(420)
+def test_a_peer_claiming_to_be_ahead_is_never_followed_and_is_banned(tmp_path, reaper):
+    """docs/design.md §4: a lone peer that claims the swarm is 5 outer steps further, with a state of its own choosing
+    that hashes right, against 3 honest peers (the third a late joiner): no honest peer downloads it or goes stale
+    over it, every honest state is one honest peers computed, and the claimer is said and banned."""
+    # rounds of 80 inner steps: the late joiner (10-20 s to start) arrives while the honest peers still train
+    swarm = local_swarm(tmp_path, reaper, ["--max-outer-steps", "16", "--inner-steps", "80"])
+    swarm.start("honest0", shard=0, num_shards=4, extra=["--wait-for-peers", "3"])
+    swarm.start("honest1", shard=1, num_shards=4, extra=["--wait-for-peers", "3"])
+    swarm.start("ahead", shard=2, num_shards=4, extra=["--wait-for-peers", "3", "--adversary", "ahead"])
+    swarm.wait_until(lambda: swarm.outer_step("honest0") >= 2, 150, "two outer steps")
+    # a late joiner: fresh, it must take the honest history. It stops by the clock: at the end, alone with the
+    # claimer and one honest peer two steps ahead, it may follow neither (a lone word), and waits
+    swarm.start("honest2", shard=3, num_shards=4, extra=["--max-time-s", "60"])
+    swarm.wait_until(lambda: not any(swarm.peers[p].alive for p in ("honest0", "honest1", "honest2")), 240,
+                     "the honest peers to finish")
+    swarm.stop_all()
+    records = swarm.all_records()
+    ids = _honest_ids(records)
+    honest = {name: records[name] for name in ("honest0", "honest1", "honest2")}
+    computed = {r["global_sha256"] for recs in honest.values() for r in recs if r["status"] in ("ok", "init")}
+    held = {r["global_sha256"] for recs in honest.values() for r in recs}
+    assert held <= computed, "an honest peer held a state no honest peer computed"
+    assert check_invariant_1(honest)["held"]
+    assert all(records[name][-1]["outer_step"] >= 16 for name in ("honest0", "honest1"))
+    founders = [r for name in ("honest0", "honest1") for r in records[name]]
+    assert not any(r["status"] == "stale" for r in founders)  # the claims never made their searches stale
+    late = records["honest2"]
+    assert any(r["status"] == "caught_up" for r in late) and any(r["status"] == "ok" and r["group_size"] >= 2 for r in late)
+    logs = {name: swarm.peers[name].log_file.read_text() for name in honest}
+    assert any(f"claimed by {ids['ahead']}" in log for log in logs.values()), "nobody said it ignored the claim"
+    assert any(f"banning {ids['ahead']}" in log for log in logs.values()), "nobody banned the claimer"

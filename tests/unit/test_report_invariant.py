@@ -53,6 +53,16 @@ def test_a_fork_healed_by_an_explicit_record_holds_and_is_counted():
     assert result["held"] is True and result["healed_forks"] == [1]
 
 
+def test_bytes_a_peer_left_by_downloading_a_later_state_are_a_healed_fork():
+    """Two groups averaged step 1 apart; one peer of the smaller went stale and took the swarm's step 2: it did not
+    carry its step-1 bytes on. A peer that averages on from other bytes does."""
+    left = check_invariant_1({"a": [_record(1, H1), _record(2, H2)],
+                              "b": [_record(1, H1_FORK), _record(1, H1_FORK, "stale"), _record(2, H2, "caught_up")]})
+    assert left["held"] is True and left["healed_forks"] == [1]
+    carried = check_invariant_1({"a": [_record(1, H1), _record(2, H2)], "b": [_record(1, H1_FORK), _record(2, "e" * 64)]})
+    assert carried["held"] is False and set(carried["forks"]) == {"1", "2"}
+
+
 def test_failed_rounds_repeating_a_step_with_the_same_hash_are_fine():
     records = [_record(0, H0, "init"), _record(0, H0, "no_group"), _record(0, H0, "partial"), _record(1, H1)]
     result = check_invariant_1({"a": records})
