@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a clone without installing
 
-from p2p_diloco.cli import peer_main  # noqa: E402
+from p2p_diloco.cli.peer import peer_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(peer_main(prog="peer.py"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a clone without installing
 
-from p2p_diloco.attack import main  # noqa: E402
+from experiments.attack import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(prog="attack.py"))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a clone without installing
 
-from p2p_diloco.bench import main  # noqa: E402
+from experiments.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], prog="bench.py"))

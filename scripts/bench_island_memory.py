@@ -138,8 +138,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_flags = ["--d-model", str(args.d_model), "--n-layers", str(args.n_layers), "--n-heads", str(args.n_heads)]
 
-    from p2p_diloco.config import ModelConfig
-    from p2p_diloco.model import build_model
+    from p2p_diloco.core.config import ModelConfig
+    from p2p_diloco.train.model import build_model
 
     model = build_model(ModelConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, seq_len=args.seq_len), seed=0)
     parameters = sum(p.numel() for p in model.parameters())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p2p_diloco.launcher import wan_main  # noqa: E402
+from experiments.wan import wan_main  # noqa: E402
 
 
 def summarise(report: dict, nat: list[int]) -> dict:

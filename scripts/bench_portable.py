@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from
 
 import torch  # noqa: E402
 
-from p2p_diloco import compression  # noqa: E402
-from p2p_diloco.config import ModelConfig, OuterConfig  # noqa: E402
-from p2p_diloco.model import GPT, build_model  # noqa: E402
-from p2p_diloco.outer import OuterOptimizer  # noqa: E402
+from p2p_diloco.core import compression  # noqa: E402
+from p2p_diloco.core.config import ModelConfig, OuterConfig  # noqa: E402
+from p2p_diloco.core.outer import OuterOptimizer  # noqa: E402
+from p2p_diloco.train.model import GPT, build_model  # noqa: E402
 
 
 def median_ms(function: Callable[[], object], repeats: int) -> float:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a clone without installing
 
-from p2p_diloco.equal_tokens import main  # noqa: E402
+from experiments.equal_tokens import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], prog="equal_tokens.py"))

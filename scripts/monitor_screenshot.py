@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a clone without installing
 
-from p2p_diloco.browser import screenshot_main  # noqa: E402
+from experiments.browser import screenshot_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(screenshot_main(sys.argv[1:]))

@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from
 
 import torch  # noqa: E402
 
-from p2p_diloco import compression  # noqa: E402
-from p2p_diloco.config import ModelConfig, OuterConfig  # noqa: E402
-from p2p_diloco.model import build_model  # noqa: E402
-from p2p_diloco.outer import OuterOptimizer, Segment, params_sha256  # noqa: E402
-from p2p_diloco.portable import fp32, seeded_normal, seeded_uniform  # noqa: E402
+from p2p_diloco.core import compression  # noqa: E402
+from p2p_diloco.core.config import ModelConfig, OuterConfig  # noqa: E402
+from p2p_diloco.core.outer import OuterOptimizer, Segment, params_sha256  # noqa: E402
+from p2p_diloco.core.portable import fp32, seeded_normal, seeded_uniform  # noqa: E402
+from p2p_diloco.train.model import build_model  # noqa: E402
 
 _VALUES = 100_003  # not a multiple of any block size: the last, partial block is decoded too
 

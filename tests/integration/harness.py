@@ -6,9 +6,10 @@ import re
 import time
 from pathlib import Path
 
-from p2p_diloco.launcher import LocalSwarm
+from p2p_diloco.cli.launch import LocalSwarm
 
 # small and quick, but the real code path: DHT, matchmaking, butterfly all-reduce, int8 codec
+PEER_SCRIPT = Path(__file__).resolve().parents[2] / "peers" / "peer.py"  # what a volunteer runs
 FAST_MODEL_FLAGS = ["--n-layers", "2", "--d-model", "64", "--n-heads", "2"]  # the built-in model's shape
 FAST_PEER_FLAGS = [
     *FAST_MODEL_FLAGS, "--seq-len", "64", "--batch-size", "8",

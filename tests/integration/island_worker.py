@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco.cli import open_process_inputs
-from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, PeerConfig, RunConfig
-from p2p_diloco.island import Island, IslandDiverged
-from p2p_diloco.learner import Learner
-from p2p_diloco.link import LocalLink
+from p2p_diloco.cli.peer import open_process_inputs
+from p2p_diloco.core.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, PeerConfig, RunConfig
+from p2p_diloco.core.link import LocalLink
+from p2p_diloco.train.island import Island, IslandDiverged
+from p2p_diloco.train.learner import Learner
 
 
 def _config(corpus: str, out: Path, name: str, max_outer_steps: int, **run: object) -> PeerConfig:

@@ -12,8 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from p2p_diloco import outer  # noqa: E402
-from p2p_diloco.cli import peer_main  # noqa: E402
+from p2p_diloco.cli.peer import peer_main  # noqa: E402
+from p2p_diloco.core import outer  # noqa: E402
 
 
 @torch.no_grad()

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
-from p2p_diloco.config import SwarmConfig
-from p2p_diloco.joining import circuit_addresses, start_dht
-from p2p_diloco.reachability import circuit_reaches_us, probe, serve_dial_back
+from p2p_diloco.core.config import SwarmConfig
+from p2p_diloco.swarm.joining import circuit_addresses, start_dht
+from p2p_diloco.swarm.reachability import circuit_reaches_us, probe, serve_dial_back
 
 
 def test_a_peer_dials_back_the_address_it_sees():

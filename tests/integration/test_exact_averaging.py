@@ -8,9 +8,9 @@ import pytest
 import torch
 from hivemind import DHT
 
-from p2p_diloco.averaging import DilocoAverager, ExactAllReduceRunner, WireCodec, run_averaging
-from p2p_diloco.compression import make_codec
-from p2p_diloco.link import codec_round_trip
+from p2p_diloco.core.compression import make_codec
+from p2p_diloco.core.link import codec_round_trip
+from p2p_diloco.swarm.averaging import DilocoAverager, ExactAllReduceRunner, WireCodec, run_averaging
 
 pytestmark = pytest.mark.integration
 

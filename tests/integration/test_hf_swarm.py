@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.report import check_invariant_1
+from p2p_diloco.observe.report import check_invariant_1
 
 from .harness import local_swarm
 
@@ -84,10 +84,10 @@ def test_the_default_peer_does_not_import_the_hugging_face_libraries():
     """Default flags: the config, the byte corpus, the model, the learner and the swarm modules a peer imports."""
     code = """
 import sys
-from p2p_diloco.cli import _OneLineParser, add_peer_flags, open_process_inputs, resolve_config
-from p2p_diloco.learner import Learner
-import p2p_diloco.swarm
-parser = _OneLineParser()
+from p2p_diloco.cli.peer import OneLineParser, add_peer_flags, open_process_inputs, resolve_config
+from p2p_diloco.train.learner import Learner
+import p2p_diloco.swarm.swarm_link
+parser = OneLineParser()
 add_peer_flags(parser)
 config = resolve_config(parser.parse_args([]))
 dataset, metrics = open_process_inputs(config)

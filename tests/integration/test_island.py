@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco import checkpoint
-from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, PeerConfig, RunConfig
-from p2p_diloco.data import open_dataset
-from p2p_diloco.launcher import PEER_SCRIPT, start_peer, wait_for_address
-from p2p_diloco.learner import Learner
-from p2p_diloco.metrics import NullSink
-from p2p_diloco.report import check_invariant_1
+from p2p_diloco.cli.launch import start_peer, wait_for_address
+from p2p_diloco.core import checkpoint
+from p2p_diloco.core.config import DataConfig, InnerConfig, ModelConfig, PeerConfig, RunConfig
+from p2p_diloco.observe.metrics import NullSink
+from p2p_diloco.observe.report import check_invariant_1
+from p2p_diloco.train.data import open_dataset
+from p2p_diloco.train.learner import Learner
 
-from .harness import local_swarm
+from .harness import PEER_SCRIPT, local_swarm
 
 pytestmark = pytest.mark.integration
 _SHA_LINE = re.compile(r"island rank (\d+): outer step (\d+) (global|local) sha256 ([0-9a-f]{64})")

@@ -15,15 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.browser import chart_points, chromium_page, free_port, unavailable_reason
-from p2p_diloco.monitor import MonitorServer
-from p2p_diloco.watch import SwarmWatch, pack_stats
+from experiments.browser import chart_points, chromium_page, free_port, unavailable_reason
+from p2p_diloco.observe.monitor import MonitorServer
+from p2p_diloco.observe.watch import SwarmWatch, pack_stats
 
-from .harness import FAST_PEER_FLAGS, local_swarm, wait_for_log
+from .harness import FAST_PEER_FLAGS, PEER_SCRIPT, local_swarm, wait_for_log
 
 pytestmark = pytest.mark.integration
 MONITOR_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "monitor.py"
-PEER_SCRIPT = Path(__file__).resolve().parents[2] / "peers" / "peer.py"
 # predicates as functions, not expressions: the page's Content-Security-Policy forbids eval, which expressions need
 LIVE_ROWS = "(n) => document.querySelectorAll('#peers tbody tr.live').length >= n"
 CHART_POINTS = "(n) => Number(document.querySelector('#chart').dataset.points) >= n"

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from p2p_diloco.launcher import LocalSwarm
-from p2p_diloco.report import check_invariant_1
-from p2p_diloco.wan import Wan, leftovers, unavailable_reason
+from experiments.wan import Wan, leftovers, unavailable_reason
+from p2p_diloco.cli.launch import LocalSwarm
+from p2p_diloco.observe.report import check_invariant_1
 
 from .harness import FAST_PEER_FLAGS
 

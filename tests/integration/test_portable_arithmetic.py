@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.launcher import LocalSwarm
-from p2p_diloco.report import build_report
+from p2p_diloco.cli.launch import LocalSwarm
+from p2p_diloco.observe.report import build_report
 
 from .harness import FAST_PEER_FLAGS
 

@@ -1,4 +1,4 @@
-"""Progress records pushed between real DHTs on 127.0.0.1 (swarm.py ``_push_record``): a push reaches every peer the
+"""Progress records pushed between real DHTs on 127.0.0.1 (swarm/progress.py ``push_record``): a push reaches every peer the
 pusher knows, with no DHT search, and a local read there finds it; in a closed run a non-member's push is refused
 as its DHT store would be; beacons that push keep three peers' views complete."""
 
@@ -13,10 +13,10 @@ from hivemind import DHT
 from hivemind.dht.routing import DHTID
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.config import SwarmConfig
-from p2p_diloco.joining import start_dht
-from p2p_diloco.membership import RunMembership
-from p2p_diloco.swarm import ProgressBeacon, _introduce, _push_record, read_progress
+from p2p_diloco.core.config import SwarmConfig
+from p2p_diloco.swarm.joining import start_dht
+from p2p_diloco.swarm.membership import RunMembership
+from p2p_diloco.swarm.progress import ProgressBeacon, introduce, push_record, read_progress
 
 from .harness import eventually
 
@@ -41,7 +41,7 @@ def _swarm(count: int, key_files: list[Path | None]) -> list[DHT]:
 
 
 def _push(dht: DHT, value: dict) -> int:
-    push = partial(_push_record, key=_KEY, subkey=dht.peer_id.to_base58(), value=value,
+    push = partial(push_record, key=_KEY, subkey=dht.peer_id.to_base58(), value=value,
                    expiration_time=get_dht_time() + 30.0)
     return dht.run_coroutine(push)
 
@@ -80,8 +80,8 @@ def test_a_push_reaches_every_known_peer_and_a_local_read_there_finds_it(swarms)
         assert read_progress(dht, _KEY, local=True).get(name, {}).get("outer_step") == 7
     assert read_progress(first, _KEY, local=True)[name]["round"] == 3  # and in the pusher's own
     # what a reader does for a peer only the DHT showed it: a ping each (a subkey that is no peer id is skipped)
-    introduce = partial(_introduce, peer_ids=[dht.peer_id.to_base58() for dht in others] + ["not a peer id"])
-    assert first.run_coroutine(introduce) == 2
+    ping_each = partial(introduce, peer_ids=[dht.peer_id.to_base58() for dht in others] + ["not a peer id"])
+    assert first.run_coroutine(ping_each) == 2
 
 
 def test_in_a_closed_run_a_non_members_push_is_refused(swarms, tmp_path):
@@ -103,7 +103,7 @@ def test_beacons_that_push_give_every_peer_every_record(swarms, monkeypatch):
     swarms += _swarm(3, [None, None, None])
     # only the first record goes the DHT's way (and the lifetime is too long for another in the test's time):
     # every update after it comes by push
-    monkeypatch.setattr("p2p_diloco.swarm._DHT_EVERY", 10**6)
+    monkeypatch.setattr("p2p_diloco.swarm.progress.DHT_EVERY", 10**6)
     beacons = []
     try:
         for index, dht in enumerate(swarms):

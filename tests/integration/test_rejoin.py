@@ -12,9 +12,9 @@ import pytest
 from hivemind import DHT
 from hivemind.dht.node import DHTNode
 
-from p2p_diloco.config import SwarmConfig
-from p2p_diloco.joining import start_dht
-from p2p_diloco.swarm import ProgressBeacon, read_progress
+from p2p_diloco.core.config import SwarmConfig
+from p2p_diloco.swarm.joining import start_dht
+from p2p_diloco.swarm.progress import ProgressBeacon, read_progress
 
 from .harness import eventually
 

@@ -17,11 +17,13 @@ from hivemind import DHT
 from hivemind.proto import averaging_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.adversary import GarbageReducerRunner, RawWireRunner
-from p2p_diloco.averaging import WireCodec, part_values_for, run_averaging
-from p2p_diloco.compression import make_codec
-from p2p_diloco.guarded import GuardedAllReduceRunner, GuardedAverager
-from p2p_diloco.membership import (
+from experiments.adversary import GarbageReducerRunner, RawWireRunner
+from experiments.adversary_peer import PATH as ADVERSARY_PEER
+from p2p_diloco.core.compression import make_codec
+from p2p_diloco.observe.report import check_invariant_1
+from p2p_diloco.swarm.averaging import WireCodec, part_values_for, run_averaging
+from p2p_diloco.swarm.guarded import GuardedAllReduceRunner, GuardedAverager
+from p2p_diloco.swarm.membership import (
     AllowList,
     AllowListValidator,
     MemberCheck,
@@ -29,7 +31,6 @@ from p2p_diloco.membership import (
     load_identity,
     load_swarm_key,
 )
-from p2p_diloco.report import check_invariant_1
 
 from .harness import local_swarm
 
@@ -230,8 +231,8 @@ def test_nan_and_scaled_adversaries_do_not_reach_honest_params(tmp_path, reaper)
     swarm = local_swarm(tmp_path, reaper, ["--max-time-s", "75", "--start-at", f"{time.time() + 25:.1f}"])
     swarm.start("honest0", shard=0, num_shards=4)
     swarm.start("honest1", shard=1, num_shards=4)
-    swarm.start("nan", shard=2, num_shards=4, extra=["--adversary", "nan"])
-    swarm.start("scaled", shard=3, num_shards=4, extra=["--adversary", "scaled"])
+    swarm.start("nan", shard=2, num_shards=4, entry=[ADVERSARY_PEER, "--adversary", "nan"])
+    swarm.start("scaled", shard=3, num_shards=4, entry=[ADVERSARY_PEER, "--adversary", "scaled"])
     swarm.wait_all_exited(200)
     records = swarm.all_records()
     ids = _honest_ids(records)
@@ -256,7 +257,7 @@ def test_a_peer_claiming_to_be_ahead_is_never_followed_and_is_banned(tmp_path, r
     swarm = local_swarm(tmp_path, reaper, ["--max-outer-steps", "16", "--inner-steps", "80"])
     swarm.start("honest0", shard=0, num_shards=4, extra=["--wait-for-peers", "3"])
     swarm.start("honest1", shard=1, num_shards=4, extra=["--wait-for-peers", "3"])
-    swarm.start("ahead", shard=2, num_shards=4, extra=["--wait-for-peers", "3", "--adversary", "ahead"])
+    swarm.start("ahead", shard=2, num_shards=4, extra=["--wait-for-peers", "3"], entry=[ADVERSARY_PEER, "--adversary", "ahead"])
     swarm.wait_until(lambda: swarm.outer_step("honest0") >= 2, 150, "two outer steps")
     # a late joiner: fresh, it must take the honest history. It stops by the clock: at the end, alone with the
     # claimer and one honest peer two steps ahead, it may follow neither (a lone word), and waits

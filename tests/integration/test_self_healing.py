@@ -11,12 +11,11 @@ import time
 
 import pytest
 
-from p2p_diloco import checkpoint
-from p2p_diloco.chaos import analyse, run_swarm
-from p2p_diloco.launcher import PEER_SCRIPT
-from p2p_diloco.report import check_invariant_1
+from experiments.chaos import analyse, run_swarm
+from p2p_diloco.core import checkpoint
+from p2p_diloco.observe.report import check_invariant_1
 
-from .harness import FAST_PEER_FLAGS, local_swarm, wait_for_log
+from .harness import FAST_PEER_FLAGS, PEER_SCRIPT, local_swarm, wait_for_log
 
 pytestmark = pytest.mark.integration
 

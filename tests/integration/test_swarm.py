@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from p2p_diloco.report import ROUND_STATUSES, check_invariant_1
+from p2p_diloco.observe.report import ROUND_STATUSES, check_invariant_1
 
 from .harness import local_swarm, wait_for_log
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from p2p_diloco.compression import make_codec
-from p2p_diloco.launcher import LocalSwarm
-from p2p_diloco.wan import Wan, leftovers, unavailable_reason
+from experiments.wan import Wan, leftovers, unavailable_reason
+from p2p_diloco.cli.launch import LocalSwarm
+from p2p_diloco.core.compression import make_codec
 
 from .harness import FAST_PEER_FLAGS
 

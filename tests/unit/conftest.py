@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.config import DataConfig, InnerConfig, OuterConfig, PeerConfig, RunConfig
+from p2p_diloco.core.config import DataConfig, InnerConfig, OuterConfig, PeerConfig, RunConfig
 
 from .helpers import TINY_MODEL
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco.config import ModelConfig, PeerConfig
-from p2p_diloco.data import DataSource, open_dataset
-from p2p_diloco.model import build_model
+from p2p_diloco.core.config import ModelConfig, PeerConfig
+from p2p_diloco.train.data import DataSource, open_dataset
+from p2p_diloco.train.model import build_model
 
 TINY_MODEL = ModelConfig(n_layers=1, d_model=32, n_heads=2, seq_len=16)
 
@@ -24,9 +24,9 @@ def make_dataset(config: PeerConfig) -> DataSource:
 
 def run_learner(config: PeerConfig):
     """Build a learner (resuming if the config says so) and run it alone to its stop, with the int8 codec."""
-    from p2p_diloco.learner import Learner
-    from p2p_diloco.link import LocalLink
-    from p2p_diloco.metrics import NullSink
+    from p2p_diloco.core.link import LocalLink
+    from p2p_diloco.observe.metrics import NullSink
+    from p2p_diloco.train.learner import Learner
 
     learner = Learner(config, make_dataset(config), NullSink())
     if config.run.resume:

@@ -10,8 +10,14 @@ import pytest
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import PeerID
 
-from p2p_diloco.cli import peer_main
-from p2p_diloco.membership import AllowList, AllowListValidator, MemberRecordValidator, RunMembership, load_identity
+from p2p_diloco.cli.peer import peer_main
+from p2p_diloco.swarm.membership import (
+    AllowList,
+    AllowListValidator,
+    MemberRecordValidator,
+    RunMembership,
+    load_identity,
+)
 
 RECORD = DHTRecord(b"run.progress", b"subkey", b"value", 1234.5)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2p_diloco.attack import compare, eval_curve, loss_at_tokens
+from experiments.attack import compare, eval_curve, loss_at_tokens
 
 
 def _record(step: int, when: float, tokens: int, loss: float | None = None, status: str = "ok") -> dict:

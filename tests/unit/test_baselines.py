@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.baselines import main
+from experiments.baselines import main
 
 _TINY_FLAGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--seq-len", "16", "--batch-size", "4"]
 

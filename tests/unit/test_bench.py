@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2p_diloco.bench import MethodRun, compare, loss_at, markdown_table, summarise
+from experiments.bench import MethodRun, compare, loss_at, markdown_table, summarise
 
 
 def _records(t0: float, rows: list[tuple[float, int, float | None]], compute_fraction: float) -> list[dict]:
@@ -84,11 +84,11 @@ def test_alone_against_bare():
 
 
 def test_launcher_flags_with_several_values_are_not_passed_to_peers():
-    from p2p_diloco.launcher import _peer_args
+    from p2p_diloco.cli.launch import peer_args_without
 
     argv = ["--peers", "4", "--bandwidth-mbit", "20", "20", "5", "5", "--inner-steps", "100", "--quick", "--batch-size=8"]
     own = {"--peers", "--bandwidth-mbit", "--quick"}
-    assert _peer_args(argv, own) == ["--inner-steps", "100", "--batch-size=8"]
+    assert peer_args_without(argv, own) == ["--inner-steps", "100", "--batch-size=8"]
 
 
 def test_a_state_stream_cut_short_is_reported_not_misread():
@@ -96,11 +96,11 @@ def test_a_state_stream_cut_short_is_reported_not_misread():
     from hivemind.compression import serialize_torch_tensor
     from hivemind.utils.streaming import split_for_streaming
 
-    from p2p_diloco.averaging import _whole_tensor
+    from p2p_diloco.swarm.averaging import whole_tensor
 
     tensor = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: several streaming chunks
     parts = list(split_for_streaming(serialize_torch_tensor(tensor)))
     assert len(parts) > 1
-    assert torch.equal(_whole_tensor(parts), tensor)
+    assert torch.equal(whole_tensor(parts), tensor)
     with pytest.raises(ConnectionError, match="ended after"):
-        _whole_tensor(parts[:-1])
+        whole_tensor(parts[:-1])

@@ -10,7 +10,7 @@ import pytest
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils.mpfuture import MPFuture
 
-from p2p_diloco.averaging import _Abandoned, _wait_for_step, cancel_search
+from p2p_diloco.swarm.averaging import Abandoned, cancel_search, wait_for_step
 
 
 def _step_seen_by_the_averager() -> tuple[StepControl, list[bool]]:
@@ -42,8 +42,8 @@ def test_the_step_reads_as_cancelled_when_the_averager_wakes():
 def test_an_abandoned_search_cancels_its_step_that_way():
     control, seen = _step_seen_by_the_averager()
     control.stage = AveragingStage.LOOKING_FOR_GROUP
-    with pytest.raises(_Abandoned):
-        _wait_for_step(control, should_abort=lambda: True, poll_s=0.01)
+    with pytest.raises(Abandoned):
+        wait_for_step(control, should_abort=lambda: True, poll_s=0.01)
     assert seen == [True] and control.cancelled()
 
 
@@ -54,7 +54,7 @@ def test_a_search_is_not_cancelled_once_its_all_reduce_began():
     finish = threading.Timer(0.2, MPFuture.set_result, args=(control, {"peer": b""}))  # the all-reduce's result
     finish.start()
     try:
-        assert _wait_for_step(control, should_abort=lambda: asked.append(1) or True, poll_s=0.01) == {"peer": b""}
+        assert wait_for_step(control, should_abort=lambda: asked.append(1) or True, poll_s=0.01) == {"peer": b""}
     finally:
         finish.join()
     assert asked == [] and seen == [] and not control.cancelled()

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from p2p_diloco import checkpoint
-from p2p_diloco.chaos import analyse
+from experiments.chaos import analyse
+from p2p_diloco.core import checkpoint
 
 
 def _record(t, step, status="ok", compute=0.0, block=0.0, sha="a", eval_loss=None, reason="", loss=2.0):

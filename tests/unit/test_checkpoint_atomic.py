@@ -7,11 +7,11 @@ import re
 import pytest
 import torch
 
-from p2p_diloco import checkpoint
-from p2p_diloco.config import InnerConfig, RunConfig
-from p2p_diloco.learner import Learner
-from p2p_diloco.link import LocalLink
-from p2p_diloco.metrics import NullSink
+from p2p_diloco.core import checkpoint
+from p2p_diloco.core.config import InnerConfig, RunConfig
+from p2p_diloco.core.link import LocalLink
+from p2p_diloco.observe.metrics import NullSink
+from p2p_diloco.train.learner import Learner
 
 from .helpers import assert_all_close, make_dataset
 

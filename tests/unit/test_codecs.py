@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2p_diloco.compression import make_codec
+from p2p_diloco.core.compression import make_codec
 
 BLOCK = 256  # the int8 codec's default block size
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from p2p_diloco.config import (
+from p2p_diloco.core.config import (
     DataConfig,
     InnerConfig,
     ModelConfig,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2p_diloco.config import DataConfig
-from p2p_diloco.data import Dataset, TokenShard, load_corpus
+from p2p_diloco.core.config import DataConfig
+from p2p_diloco.train.data import Dataset, TokenShard, load_corpus
 
 SEQ_LEN, BATCH = 16, 4
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from p2p_diloco.config import DataConfig
-from p2p_diloco.data import Dataset
+from p2p_diloco.core.config import DataConfig
+from p2p_diloco.train.data import Dataset
 
 SEQ_LEN, BATCH = 16, 4
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2p_diloco.dht_traffic import main
+from experiments.dht_traffic import main
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from p2p_diloco.config import InnerConfig, OuterConfig
-from p2p_diloco.equal_tokens import compare, diloco_curve, loss_at, main, sync_dp_curve, warm_start
+from experiments.equal_tokens import compare, diloco_curve, loss_at, main, sync_dp_curve, warm_start
+from p2p_diloco.core.config import InnerConfig, OuterConfig
 
 TINY = InnerConfig(batch_size=2)
 BATCH_TOKENS = 2 * 128

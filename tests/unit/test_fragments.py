@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2p_diloco.config import InnerConfig, OuterConfig, RunConfig
-from p2p_diloco.learner import Learner, partition_fragments
-from p2p_diloco.link import LocalLink
-from p2p_diloco.metrics import NullSink
+from p2p_diloco.core.config import InnerConfig, OuterConfig, RunConfig
+from p2p_diloco.core.link import LocalLink
+from p2p_diloco.observe.metrics import NullSink
+from p2p_diloco.train.fragments import partition_fragments
+from p2p_diloco.train.learner import Learner
+from p2p_diloco.train.recorder import SendRate
 
 from .helpers import make_dataset, snapshot
 
@@ -75,24 +77,17 @@ def test_each_outer_step_updates_only_its_fragment(make_config):
     assert total // 2 <= template.numel() <= total // 2 + largest
 
 
-def test_peak_send_rate_is_the_largest_burst_over_a_sliding_second(make_config, monkeypatch):
-    learner = Learner(make_config(), make_dataset(make_config()), NullSink())
-    clock, sent = [0.0], [0]
-
-    class Counters:
-        def traffic(self):
-            return sent[0], 0
-
-    monkeypatch.setattr("p2p_diloco.learner.time.monotonic", lambda: clock[0])
+def test_peak_send_rate_is_the_largest_burst_over_a_sliding_second():
+    rate, sent = SendRate(), 0
     # an inner step every 0.25 s; 400 kB trickle over 2 s, then 1 MB in a single step at t = 3.1
     for step in range(24):
-        clock[0] = step * 0.25 + (0.1 if step == 12 else 0.0)
+        now = step * 0.25 + (0.1 if step == 12 else 0.0)
         if 1 <= step <= 8:
-            sent[0] += 50_000
+            sent += 50_000
         if step == 12:
-            sent[0] += 1_000_000
-        learner._sample_traffic(Counters())
+            sent += 1_000_000
+        rate.sample(sent, now)
     # at t = 3.1 the window reaches back to t = 2.0 (1.1 s); one step later, to t = 2.25 (1.0 s): the largest
     # rate is the burst over one second, while the trickle never exceeded 200 kB/s
-    assert learner._take_peak_rate() == pytest.approx(1_000_000 / 1.0)
-    assert learner.peak_send_rate == 0.0  # taken: the next record starts afresh
+    assert rate.take() == pytest.approx(1_000_000 / 1.0)
+    assert rate.take() == 0.0  # taken: the next record starts afresh

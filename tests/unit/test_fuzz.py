@@ -23,13 +23,13 @@ from hivemind.proto import runtime_pb2
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco import checkpoint
-from p2p_diloco.averaging import WireCodec, install_wire_codecs
-from p2p_diloco.compression import MalformedPayloadError, make_codec
-from p2p_diloco.config import COMPRESSIONS, DataConfig, InnerConfig, PeerConfig, RunConfig, build_config, load_toml
-from p2p_diloco.learner import Learner
-from p2p_diloco.link import LocalLink
-from p2p_diloco.metrics import NullSink
+from p2p_diloco.core import checkpoint
+from p2p_diloco.core.compression import MalformedPayloadError, make_codec
+from p2p_diloco.core.config import COMPRESSIONS, DataConfig, InnerConfig, PeerConfig, RunConfig, build_config, load_toml
+from p2p_diloco.core.link import LocalLink
+from p2p_diloco.observe.metrics import NullSink
+from p2p_diloco.swarm.averaging import WireCodec, install_wire_codecs
+from p2p_diloco.train.learner import Learner
 
 from .helpers import TINY_MODEL, make_dataset
 

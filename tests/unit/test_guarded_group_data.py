@@ -11,8 +11,8 @@ import pytest
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2p_diloco.guarded import GuardedAverager, RoundGuard
-from p2p_diloco.robust import RobustPolicy
+from p2p_diloco.core.robust import RobustPolicy
+from p2p_diloco.swarm.guarded import GuardedAverager, RoundGuard
 
 PEERS = [PeerID(bytes([18, 32, *([k] * 32)])) for k in (1, 2, 3)]  # identity multihashes: valid, distinct ids
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, PeerConfig, RunConfig
-from p2p_diloco.hf_model import CausalLM
-from p2p_diloco.model import build_model
-from p2p_diloco.preflight import check_model_and_data
-from p2p_diloco.text_data import load_tokenizer, vocab_size
+from p2p_diloco.cli.preflight import check_model_and_data
+from p2p_diloco.core.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, PeerConfig, RunConfig
+from p2p_diloco.train.hf_model import CausalLM
+from p2p_diloco.train.model import build_model
+from p2p_diloco.train.text_data import load_tokenizer, vocab_size
 
 from .helpers import (
     assert_all_close,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
-from p2p_diloco.history import CHAIN, Target, chain_of, choose_target, moved_past, unbacked_claims
+from p2p_diloco.core.history import CHAIN, Target, chain_of, choose_target, moved_past, unbacked_claims
 
 
 def sha(name: str) -> str:

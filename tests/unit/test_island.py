@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2p_diloco.cli import _OneLineParser, add_peer_flags, resolve_config
-from p2p_diloco.config import DataConfig, PeerConfig, RunConfig
-from p2p_diloco.island import Island, collective_timeout_s
+from p2p_diloco.cli.peer import OneLineParser, add_peer_flags, resolve_config
+from p2p_diloco.core.config import DataConfig, PeerConfig, RunConfig
+from p2p_diloco.train.island import Island, collective_timeout_s
 
 
 def test_without_torchrun_the_island_is_one_process_and_changes_nothing():
@@ -50,7 +50,7 @@ def test_fsdp_needs_a_torchrun_island_of_two_ranks_or_more():
 
 
 def test_the_sharding_flag_sets_the_run_config_and_defaults_to_ddp():
-    parser = _OneLineParser(prog="t")
+    parser = OneLineParser(prog="t")
     add_peer_flags(parser)
     assert resolve_config(parser.parse_args([])).run.island_sharding == "ddp"
     assert resolve_config(parser.parse_args(["--island-sharding", "fsdp"])).run.island_sharding == "fsdp"

@@ -7,12 +7,12 @@ from concurrent.futures import Future
 
 import torch
 
-from p2p_diloco.config import InnerConfig
-from p2p_diloco.history import Node, Target
-from p2p_diloco.learner import Learner, PendingAveraging
-from p2p_diloco.link import AveragingOutcome, ImmediateAveraging, SwarmState
-from p2p_diloco.metrics import NullSink
-from p2p_diloco.outer import state_sha256
+from p2p_diloco.core.config import InnerConfig
+from p2p_diloco.core.history import Node, Target
+from p2p_diloco.core.link import AveragingOutcome, ImmediateAveraging, SwarmState
+from p2p_diloco.core.outer import state_sha256
+from p2p_diloco.observe.metrics import NullSink
+from p2p_diloco.train.learner import Learner, PendingAveraging
 
 from .helpers import assert_all_close, make_dataset, snapshot
 
@@ -61,10 +61,10 @@ def _learner_with_local_progress(make_config) -> Learner:
     learner = Learner(config, make_dataset(config), metrics=NullSink())
     link = AheadLink(-1, None)
     for _ in range(LOCAL_STEPS):  # local params now differ from global
-        learner._inner_step(link)
+        learner.inner_step(link)
     assert learner.steps_into_round == LOCAL_STEPS
     assert learner.round_tokens == learner.tokens_unsynced == LOCAL_STEPS * BATCH * config.model.seq_len
-    assert not learner._round_is_over(link)
+    assert not learner.round_is_over(link)
     assert link.downloads == 0 and not link.averaged
     assert any(not torch.equal(p, g) for p, g in zip(learner.params, learner.global_params, strict=True))
     return learner
@@ -93,7 +93,7 @@ def test_catch_up_takes_the_swarm_state_and_rebases_local_progress(make_config):
     expected_global, expected_momentum = snapshot(state.global_params), snapshot(state.momentum)
     link = AheadLink(7, state)
 
-    assert learner._catch_up(link) is True
+    assert learner.catch_up(link) is True
 
     assert link.downloads == 1 and not link.averaged
     assert_all_close(learner.global_params, expected_global, rtol=0, atol=0)  # exactly the downloaded bytes
@@ -119,7 +119,7 @@ def test_catch_up_takes_the_swarm_state_and_rebases_local_progress(make_config):
 def test_global_params_do_not_alias_the_downloaded_tensors(make_config):
     learner = _learner_with_local_progress(make_config)
     state = _swarm_state(learner, outer_step=2, steps_into_round=0)
-    assert learner._catch_up(AheadLink(2, state)) is True
+    assert learner.catch_up(AheadLink(2, state)) is True
     before, momentum_before = snapshot(learner.global_params), snapshot(learner.outer.state_tensors())
     for tensor in [*state.global_params, *state.momentum]:
         tensor.add_(1.0)
@@ -131,7 +131,7 @@ def test_no_download_when_the_swarm_is_not_ahead(make_config):
     learner = _learner_with_local_progress(make_config)
     old_global, old_local = snapshot(learner.global_params), snapshot(learner.params)
     link = AheadLink(0, _swarm_state(learner, outer_step=5, steps_into_round=0))
-    assert learner._catch_up(link) is False
+    assert learner.catch_up(link) is False
     assert link.downloads == 0
     assert learner.outer_step == 0
     assert_all_close(learner.global_params, old_global, rtol=0, atol=0)
@@ -144,7 +144,7 @@ def test_failed_or_stale_download_changes_nothing(make_config):
     ours = SwarmState(0, snapshot(learner.global_params), snapshot(learner.outer.momentum_buffers), 0, 0, old_sha,
                       donor="donor-peer")  # the donor is no further than we are
     for link in (AheadLink(3, None), AheadLink(3, ours)):
-        assert learner._catch_up(link) is False
+        assert learner.catch_up(link) is False
         assert link.downloads == 1
     assert learner.outer_step == 0 and learner.catch_ups == 0 and learner.global_sha256 == old_sha
     assert_all_close(learner.global_params, old_global, rtol=0, atol=0)
@@ -157,7 +157,7 @@ def test_no_catch_up_while_an_averaging_is_in_flight(make_config):
     old_global, old_local = snapshot(learner.global_params), snapshot(learner.params)
     learner.pending = PendingAveraging(Future(), outer_step=0, weight=1.0, snapshot=snapshot(learner.params))
     link = AheadLink(5, _swarm_state(learner, outer_step=5, steps_into_round=0))
-    assert learner._catch_up(link) is False
+    assert learner.catch_up(link) is False
     assert link.downloads == 0 and learner.outer_step == 0
     assert_all_close(learner.global_params, old_global, rtol=0, atol=0)
     assert_all_close(learner.params, old_local, rtol=0, atol=0)
@@ -170,7 +170,7 @@ def test_round_end_catches_up_before_taking_the_outer_gradient(make_config):
     state = _swarm_state(learner, outer_step=4, steps_into_round=0)
     link = AheadLink(4, state)
 
-    learner._end_round(link)
+    learner.end_round(link)
 
     assert link.downloads == 1 and learner.catch_ups == 1
     assert len(link.averaged) == 1
@@ -195,14 +195,14 @@ def _apply_failed_round_then_catch_up(make_config, history_peers):
     learner = _learner_with_local_progress(make_config)
     link = AheadLink(-1, None)
     pending = _failed_on_our_side(learner)
-    learner._complete_averaging(link)  # failed here: the progress stays local, for now
+    learner.complete_averaging(link)  # failed here: the progress stays local, for now
     assert learner.unconfirmed is pending and learner.outer_step == 0
     for _ in range(LOCAL_STEPS):  # more local progress after the snapshot
-        learner._inner_step(link)
+        learner.inner_step(link)
     old_global, old_local = snapshot(learner.global_params), snapshot(learner.params)
     state = _swarm_state(learner, outer_step=1, steps_into_round=0)
     state = SwarmState(**{**state.__dict__, "round_history": {0: tuple(history_peers)}})
-    assert learner._catch_up(AheadLink(1, state)) is True
+    assert learner.catch_up(AheadLink(1, state)) is True
     return learner, pending, state, old_global, old_local
 
 
@@ -237,17 +237,17 @@ def test_progress_carried_past_a_failed_round_onto_the_swarms_next_step_weighs_o
     others' is: weighted by both, its progress would count twice in that average."""
     learner = _learner_with_local_progress(make_config)
     tokens_per_step = BATCH * learner.config.model.seq_len
-    learner._end_round(FailingLink(-1, None))  # outer step 0 fails here; the others' succeeded
+    learner.end_round(FailingLink(-1, None))  # outer step 0 fails here; the others' succeeded
     assert learner.outer_step == 0 and learner.tokens_unsynced == LOCAL_STEPS * tokens_per_step
     link = AheadLink(-1, None)
     for _ in range(LOCAL_STEPS):
-        learner._inner_step(link)
+        learner.inner_step(link)
     state = _swarm_state(learner, outer_step=1, steps_into_round=0)
-    assert learner._catch_up(AheadLink(1, state)) is True  # the round failed without us in it: all progress carried
+    assert learner.catch_up(AheadLink(1, state)) is True  # the round failed without us in it: all progress carried
     for _ in range(LOCAL_STEPS):
-        learner._inner_step(link)
+        learner.inner_step(link)
     ahead = AheadLink(1, state)
-    learner._end_round(ahead)
+    learner.end_round(ahead)
     (call,) = ahead.averaged
     assert call["outer_step"] == 1
     assert call["weight"] == float(2 * LOCAL_STEPS * tokens_per_step)  # its round at step 1, across the catch-up

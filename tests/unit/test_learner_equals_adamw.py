@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2p_diloco.config import InnerConfig, OuterConfig, RunConfig
-from p2p_diloco.learner import Learner
-from p2p_diloco.link import LocalLink
-from p2p_diloco.metrics import NullSink
-from p2p_diloco.model import build_model
+from p2p_diloco.core.config import InnerConfig, OuterConfig, RunConfig
+from p2p_diloco.core.link import LocalLink
+from p2p_diloco.observe.metrics import NullSink
+from p2p_diloco.train.learner import Learner
+from p2p_diloco.train.model import build_model
 
 from .helpers import assert_all_close, make_dataset, plain_adamw
 

@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-from p2p_diloco.config import InnerConfig, OuterConfig, RunConfig
-from p2p_diloco.learner import Learner
-from p2p_diloco.link import AveragingOutcome, LocalLink, SwarmState
-from p2p_diloco.metrics import NullSink
-from p2p_diloco.model import build_model
-from p2p_diloco.outer import state_sha256
+from p2p_diloco.core.config import InnerConfig, OuterConfig, RunConfig
+from p2p_diloco.core.link import AveragingOutcome, LocalLink, SwarmState
+from p2p_diloco.core.outer import state_sha256
+from p2p_diloco.observe.metrics import NullSink
+from p2p_diloco.train.learner import Learner
+from p2p_diloco.train.model import build_model
 
 from .helpers import assert_all_close, make_dataset, plain_adamw, snapshot
 
@@ -54,13 +54,13 @@ def test_failed_round_keeps_global_state_and_local_progress(make_config):
     learner = Learner(config, make_dataset(config), metrics=NullSink())
     link = FlakyLink(failures=1)
     for _ in range(H):
-        learner._inner_step(link)
-    assert learner._round_is_over(link)  # H steps of this peer's batch: the budget of a swarm of one
+        learner.inner_step(link)
+    assert learner.round_is_over(link)  # H steps of this peer's batch: the budget of a swarm of one
     round_tokens = H * BATCH * config.model.seq_len
     global_before, local_before = snapshot(learner.global_params), snapshot(learner.params)
     sha_before, momentum_before = learner.global_sha256, snapshot(learner.outer.state_tensors())
 
-    learner._end_round(link)  # the group of one answers at once, with a failure
+    learner.end_round(link)  # the group of one answers at once, with a failure
 
     assert [c["weight"] for c in link.calls] == [float(round_tokens)]
     assert learner.pending is None

@@ -14,11 +14,11 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from p2p_diloco.config import InnerConfig, OuterConfig, RunConfig
-from p2p_diloco.learner import Learner
-from p2p_diloco.link import AveragingOutcome, RoundView, SwarmState
-from p2p_diloco.metrics import NullSink
-from p2p_diloco.outer import OuterOptimizer, state_sha256
+from p2p_diloco.core.config import InnerConfig, OuterConfig, RunConfig
+from p2p_diloco.core.link import AveragingOutcome, RoundView, SwarmState
+from p2p_diloco.core.outer import OuterOptimizer, state_sha256
+from p2p_diloco.observe.metrics import NullSink
+from p2p_diloco.train.learner import Learner
 
 from .helpers import assert_all_close, make_dataset, plain_adamw, snapshot
 
@@ -135,10 +135,10 @@ def test_inner_steps_run_while_averaging_and_their_work_is_kept(make_config):
     learner = _learner(config)
     link = FakeLink()
     for _ in range(H):
-        learner._inner_step(link)
+        learner.inner_step(link)
     global_before, local_at_round_end = snapshot(learner.global_params), snapshot(learner.params)
 
-    learner._end_round(link)
+    learner.end_round(link)
 
     pending = learner.pending
     assert pending is not None and not pending.future.done()
@@ -150,7 +150,7 @@ def test_inner_steps_run_while_averaging_and_their_work_is_kept(make_config):
 
     during = 3
     for _ in range(during):
-        learner._inner_step(link)
+        learner.inner_step(link)
     assert learner.pending is pending and pending.steps_during == during
     assert learner.outer_step == 0
     assert_all_close(learner.global_params, global_before, rtol=0, atol=0)  # untouched until the outcome arrives
@@ -161,7 +161,7 @@ def test_inner_steps_run_while_averaging_and_their_work_is_kept(make_config):
     averaged = _known_average(learner)
     local_before_completion = snapshot(learner.params)
     pending.future.set_result(AveragingOutcome(snapshot(averaged), ("fake", "other"), 2.0 * pending.weight, "ok"))
-    learner._complete_averaging(link)
+    learner.complete_averaging(link)
 
     expected_global = snapshot(global_before)
     reference = OuterOptimizer(expected_global, config.outer)
@@ -184,22 +184,22 @@ def test_failed_averaging_in_flight_keeps_everything_for_the_next_round(make_con
     learner = _learner(config)
     link = FakeLink()
     for _ in range(H):
-        learner._inner_step(link)
+        learner.inner_step(link)
     global_before = snapshot(learner.global_params)
-    learner._end_round(link)
+    learner.end_round(link)
     for _ in range(H):
-        learner._inner_step(link)
+        learner.inner_step(link)
     local_before = snapshot(learner.params)
 
     learner.pending.future.set_result(AveragingOutcome(None, (), 0.0, "no_group", "nobody came"))
-    learner._complete_averaging(link)
+    learner.complete_averaging(link)
 
     assert learner.pending is None and learner.outer_step == 0 and learner.round_index == 0
     assert_all_close(learner.global_params, global_before, rtol=0, atol=0)
     assert_all_close(learner.params, local_before, rtol=0, atol=0)
     assert learner.tokens_unsynced == 2 * H * BATCH_TOKENS
 
-    learner._end_round(link)  # the next outer gradient carries both rounds' progress and tokens (a retry of step 0)
+    learner.end_round(link)  # the next outer gradient carries both rounds' progress and tokens (a retry of step 0)
     assert link.calls[1]["outer_step"] == 0 and link.calls[1]["weight"] == float(2 * H * BATCH_TOKENS)
     assert learner.pending is not None and learner.pending.tokens_behind == 2 * H * BATCH_TOKENS
     assert_all_close(link.calls[1]["tensors"], [g - lo for g, lo in zip(global_before, local_before, strict=True)])
@@ -211,15 +211,15 @@ def test_a_retry_of_the_same_step_ended_at_once_still_weighs_the_whole_round(mak
     learner = _learner(_config(make_config))
     link = FakeLink()
     for _ in range(H):
-        learner._inner_step(link)
-    learner._end_round(link)
-    learner._inner_step(link)  # one step while the averaging is in flight
+        learner.inner_step(link)
+    learner.end_round(link)
+    learner.inner_step(link)  # one step while the averaging is in flight
     learner.pending.future.set_result(AveragingOutcome(None, (), 0.0, "no_group", "nobody came"))
-    learner._complete_averaging(link)
+    learner.complete_averaging(link)
     link.view = RoundView(live_peers=2, tokens_by_others=0, peers_ahead=2)  # the others average step 0 still
-    learner._inner_step(link)
-    assert learner._round_is_over(link)
-    learner._end_round(link)
+    learner.inner_step(link)
+    assert learner.round_is_over(link)
+    learner.end_round(link)
     assert [c["outer_step"] for c in link.calls] == [0, 0]
     assert link.calls[1]["weight"] == float((H + 2) * BATCH_TOKENS) == learner.pending.tokens_behind
 
@@ -231,11 +231,11 @@ def test_a_fragment_is_weighted_by_the_rounds_since_its_last_averaging(make_conf
     outcomes = ["ok", "ok", "no_group", "ok", "ok"]  # outer steps 0, 1, 2 (fails: fragment 0 carries it), 2, 3
     for status in outcomes:
         for _ in range(H):
-            learner._inner_step(link)
-        learner._end_round(link)
+            learner.inner_step(link)
+        learner.end_round(link)
         averaged = link.calls[-1]["tensors"] if status == "ok" else None
         learner.pending.future.set_result(AveragingOutcome(averaged, ("fake",), 1.0, status, ""))
-        learner._complete_averaging(link)
+        learner.complete_averaging(link)
     round_tokens = H * BATCH_TOKENS
     weights = [c["weight"] for c in link.calls]
     # steps 0 and 1: every token since the start; then the two rounds since the fragment's last averaging; the
@@ -250,16 +250,16 @@ def test_round_end_waits_for_the_averaging_still_in_flight(make_config):
     learner = _learner(config)
     link = FakeLink()
     for _ in range(H):
-        learner._inner_step(link)
-    learner._end_round(link)
+        learner.inner_step(link)
+    learner.end_round(link)
     for _ in range(H):
-        learner._inner_step(link)
+        learner.inner_step(link)
     first = learner.pending
     outcome = AveragingOutcome(_known_average(learner), ("fake",), first.weight, "ok")
     timer = threading.Timer(0.2, first.future.set_result, args=(outcome,))
     timer.start()
     try:
-        learner._end_round(link)
+        learner.end_round(link)
     finally:
         timer.join()
 
@@ -320,9 +320,9 @@ def test_overlap_loses_no_work_with_outer_lr1_no_momentum(make_config):
 def test_round_is_over_at_once_when_a_peer_is_ahead(make_config):
     config = _config(make_config, inner=InnerConfig(inner_steps=1000, batch_size=BATCH))
     learner = _learner(config)
-    assert not learner._round_is_over(FakeLink())
+    assert not learner.round_is_over(FakeLink())
     link = FakeLink(view=RoundView(live_peers=1, tokens_by_others=0, peers_ahead=1))
-    assert learner._round_is_over(link)
+    assert learner.round_is_over(link)
     assert link.views_asked == [0]
 
 
@@ -340,30 +340,30 @@ def test_round_is_over_when_the_swarm_tokens_reach_the_budget(make_config):
     almost = FakeLink(view=RoundView(live_peers=2, tokens_by_others=budget - BATCH_TOKENS - 1, peers_ahead=0))
     enough = FakeLink(view=RoundView(live_peers=2, tokens_by_others=budget - BATCH_TOKENS, peers_ahead=0))
     alone = FakeLink()
-    assert not learner._round_is_over(enough)
-    learner._inner_step(alone)
-    assert not learner._round_is_over(almost) and not learner._round_is_over(alone)
-    assert learner._round_is_over(enough)
+    assert not learner.round_is_over(enough)
+    learner.inner_step(alone)
+    assert not learner.round_is_over(almost) and not learner.round_is_over(alone)
+    assert learner.round_is_over(enough)
     # the budget is published when it changes (the beacon paces its records by the round's end): 3 peers, then 1
     assert enough.published == [{"round_budget": budget}] * 2 and almost.published == []  # only when it changed
     assert alone.published[-1] == {"round_budget": H * BATCH_TOKENS}
     # others' tokens count only once this peer is in the round they report: the link is asked for our round
-    learner._end_round(alone)
+    learner.end_round(alone)
     assert learner.pending is not None
-    assert not learner._round_is_over(enough) and enough.views_asked[-1] == 1
+    assert not learner.round_is_over(enough) and enough.views_asked[-1] == 1
 
 
 def test_configured_tokens_per_round_replace_the_default_budget(make_config):
     config = _config(make_config, inner=InnerConfig(inner_steps=H, batch_size=BATCH, tokens_per_round=5 * BATCH_TOKENS))
     learner = _learner(config)
-    learner._inner_step(FakeLink())
+    learner.inner_step(FakeLink())
     many_peers = FakeLink(view=RoundView(live_peers=9, tokens_by_others=3 * BATCH_TOKENS, peers_ahead=0))
-    assert not learner._round_is_over(many_peers)
+    assert not learner.round_is_over(many_peers)
     many_peers.view = RoundView(live_peers=9, tokens_by_others=4 * BATCH_TOKENS, peers_ahead=0)
-    assert learner._round_is_over(many_peers)
+    assert learner.round_is_over(many_peers)
     for _ in range(H):  # alone, the default budget would be over by now
-        learner._inner_step(FakeLink())
-    assert not learner._round_is_over(FakeLink())
+        learner.inner_step(FakeLink())
+    assert not learner.round_is_over(FakeLink())
 
 
 def test_round_ends_at_the_deadline(make_config):
@@ -371,11 +371,11 @@ def test_round_ends_at_the_deadline(make_config):
     learner = _learner(config)
     link = FakeLink()
     learner.round_started = time.monotonic()
-    assert not learner._round_is_over(link)
+    assert not learner.round_is_over(link)
     time.sleep(0.25)
-    assert learner._round_is_over(link)
-    learner._end_round(link)  # a new round starts its own deadline
-    assert not learner._round_is_over(link)
+    assert learner.round_is_over(link)
+    learner.end_round(link)  # a new round starts its own deadline
+    assert not learner.round_is_over(link)
 
 
 # (d) throttle -------------------------------------------------------------------------------------------------
@@ -395,12 +395,12 @@ def test_throttle_multiplies_the_compute_time_of_a_step(make_config):
     }
     link = FakeLink()
     for learner in learners.values():  # warm-up: first calls allocate
-        learner._inner_step(link)
+        learner.inner_step(link)
     step_s: dict[float, list[float]] = {throttle: [] for throttle in learners}
     for _ in range(10):  # interleaved, so that load on the machine hits both alike
         for throttle, learner in learners.items():
             before = learner.compute_s
-            learner._inner_step(link)
+            learner.inner_step(link)
             step_s[throttle].append(learner.compute_s - before)
     # the fastest step of each: other load on the machine can only add time, so the minimum is the steadiest
     ratio = min(step_s[3.0]) / min(step_s[1.0])

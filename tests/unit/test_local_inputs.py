@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco import checkpoint
-from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, PeerConfig, RunConfig
-from p2p_diloco.data import load_corpus
-from p2p_diloco.learner import Learner
-from p2p_diloco.link import LocalLink
-from p2p_diloco.metrics import NullSink
-from p2p_diloco.preflight import check_identity_file, check_local_inputs, check_memory
+from p2p_diloco.cli.preflight import check_identity_file, check_local_inputs, check_memory
+from p2p_diloco.core import checkpoint
+from p2p_diloco.core.config import DataConfig, InnerConfig, ModelConfig, PeerConfig, RunConfig
+from p2p_diloco.core.link import LocalLink
+from p2p_diloco.observe.metrics import NullSink
+from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.learner import Learner
 
 from .helpers import TINY_MODEL, make_dataset
 
@@ -57,7 +57,7 @@ def test_binary_files_are_skipped_and_a_binary_only_folder_refused(tmp_path):
 
 
 def test_a_corpus_too_large_to_hold_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    monkeypatch.setattr("p2p_diloco.data.MAX_CORPUS_BYTES", 100_000)
+    monkeypatch.setattr("p2p_diloco.train.data.MAX_CORPUS_BYTES", 100_000)
     for index in range(2):
         (tmp_path / f"part{index}.txt").write_text(TEXT)
     with pytest.raises(ValueError, match="goes past"):

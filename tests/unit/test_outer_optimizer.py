@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2p_diloco.config import OuterConfig
-from p2p_diloco.outer import OuterOptimizer, params_sha256
+from p2p_diloco.core.config import OuterConfig
+from p2p_diloco.core.outer import OuterOptimizer, params_sha256
 
 from .helpers import assert_all_close
 

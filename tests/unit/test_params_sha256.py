@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from p2p_diloco.outer import params_sha256
+from p2p_diloco.core.outer import params_sha256
 
 
 def _tensors() -> list[torch.Tensor]:

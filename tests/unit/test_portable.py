@@ -12,15 +12,15 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from p2p_diloco import compression
-from p2p_diloco.config import InnerConfig, ModelConfig
-from p2p_diloco.history import Target
-from p2p_diloco.learner import Learner
-from p2p_diloco.link import AveragingOutcome, SwarmState
-from p2p_diloco.metrics import NullSink
-from p2p_diloco.model import GPT, build_model
-from p2p_diloco.outer import params_sha256, state_sha256
-from p2p_diloco.portable import portable_init, seeded_normal, seeded_uniform
+from p2p_diloco.core import compression
+from p2p_diloco.core.config import InnerConfig, ModelConfig
+from p2p_diloco.core.history import Target
+from p2p_diloco.core.link import AveragingOutcome, SwarmState
+from p2p_diloco.core.outer import params_sha256, state_sha256
+from p2p_diloco.core.portable import portable_init, seeded_normal, seeded_uniform
+from p2p_diloco.observe.metrics import NullSink
+from p2p_diloco.train.learner import Learner
+from p2p_diloco.train.model import GPT, build_model
 
 from .helpers import make_dataset, snapshot
 from .test_learner_catch_up import AheadLink
@@ -121,8 +121,8 @@ def test_a_peer_whose_own_group_computed_its_step_otherwise_says_so_once_and_cou
     link = GroupmatesLink(state, ["peerA", "peerB"], state.global_sha256)
     ours = learner.global_sha256
 
-    with caplog.at_level(logging.WARNING, logger="p2p_diloco.learner"):
-        assert learner._catch_up(link) is True
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.train.learner"):
+        assert learner.catch_up(link) is True
     lines = [r.getMessage() for r in caplog.records if "differently" in r.getMessage()]
     assert lines == [f"this peer's hardware computed outer step 4 differently from 2 of 2 groupmates (ours {ours[:12]}, "
                      f"theirs {state.global_sha256[:12]}): same inputs, other bytes; taking the swarm's state"]
@@ -133,11 +133,11 @@ def test_a_peer_whose_own_group_computed_its_step_otherwise_says_so_once_and_cou
     learner.round_history.clear()
     learner.global_sha256, learner.chain = ours, deque([(4, ours)])
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="p2p_diloco.learner"):
-        learner._catch_up(link)
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.train.learner"):
+        learner.catch_up(link)
     assert not [r for r in caplog.records if "differently" in r.getMessage()]
     assert learner.arithmetic_mismatches == [4] and learner.forks_healed == 2
     record = {}
     learner.metrics = type("Sink", (), {"write": lambda self, r: record.update(r)})()
-    learner._write(link, AveragingOutcome(None, (), 0.0, "no_group"))
+    learner.write(link, AveragingOutcome(None, (), 0.0, "no_group"))
     assert record["arithmetic_mismatches"] == 1

@@ -1,4 +1,4 @@
-"""The push transport of progress records (swarm.py): which records are pushed and which go the DHT's way, and when
+"""The push transport of progress records (swarm/progress.py): which records are pushed and which go the DHT's way, and when
 a read is local, when it asks the DHT and whom it then introduces itself to. The records' trip between real DHTs
 is in tests/integration/test_progress_push.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
-from p2p_diloco.swarm import _DHT_EVERY, _INTRODUCE_LIMIT, ProgressBeacon, ProgressReader, SwarmLink
+from p2p_diloco.swarm.progress import DHT_EVERY, INTRODUCE_LIMIT, ProgressBeacon, ProgressReader
 
 
 class _Done:
@@ -31,19 +31,19 @@ def test_pushed_records_go_the_dhts_way_every_tenth_time_the_first_included():
     sent: list[str] = []
     beacon = _beacon(sent, push=True)
     try:
-        for _ in range(2 * _DHT_EVERY + 1):
+        for _ in range(2 * DHT_EVERY + 1):
             beacon.publish_now()
         beacon.publish_now(dht_store=True)
     finally:
         beacon.close()
-    expected = (["dht"] + ["push"] * (_DHT_EVERY - 1)) * 2 + ["dht", "dht"]
+    expected = (["dht"] + ["push"] * (DHT_EVERY - 1)) * 2 + ["dht", "dht"]
     assert sent == expected
 
 
 def test_a_record_goes_the_dhts_way_again_before_its_copy_there_expires(monkeypatch):
     sent: list[str] = []
     clock = itertools.count(0.0, 50.0)  # 50 s between records: past 3/4 of the 180 s lifetime every 3rd one
-    monkeypatch.setattr("p2p_diloco.swarm.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("p2p_diloco.swarm.progress.time.monotonic", lambda: next(clock))
     beacon = _beacon(sent, push=True)
     try:
         for _ in range(7):
@@ -92,65 +92,62 @@ class _Swarm:
                 for peer, record in records.items()}
 
 
-def _link(swarm: _Swarm, push: bool, monkeypatch) -> SwarmLink:
-    monkeypatch.setattr("p2p_diloco.swarm.read_progress_items", swarm.read)
-    link = SwarmLink.__new__(SwarmLink)  # no DHT: _all_progress reads through read_progress_items, patched above
-    link._beacon = SimpleNamespace(peers={})
+def _reader(swarm: _Swarm, push: bool, monkeypatch) -> ProgressReader:
+    monkeypatch.setattr("p2p_diloco.swarm.progress.read_progress_items", swarm.read)
     dht = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me"),
                           run_coroutine=lambda coroutine, return_future: swarm.pinged.append(sorted(coroutine.keywords["peer_ids"])))
-    link._reader = ProgressReader(dht, "run.progress", push)
-    return link
+    return ProgressReader(dht, "run.progress", push)
 
 
 def test_with_push_reads_are_local_but_every_tenth_which_asks_the_dht(monkeypatch):
     local = {"me": dict(round=1), "a": dict(round=1)}
     swarm = _Swarm(local, {**local, "b": dict(round=1)}, pushing={"a"})
-    link = _link(swarm, True, monkeypatch)
-    seen = [set(link._all_progress()) for _ in range(_DHT_EVERY)]
-    assert swarm.reads == [True] * (_DHT_EVERY - 1) + [False]
+    read = _reader(swarm, True, monkeypatch)
+    seen = [set(read()) for _ in range(DHT_EVERY)]
+    assert swarm.reads == [True] * (DHT_EVERY - 1) + [False]
     assert seen[0] == {"a"} and seen[-1] == {"a", "b"}  # our own record is never among the others'
 
 
 def test_a_local_read_that_finds_nobody_asks_the_dht_at_once(monkeypatch):
     swarm = _Swarm({"me": dict(round=1)}, {"me": dict(round=1), "a": dict(round=1)}, pushing=set())
-    link = _link(swarm, True, monkeypatch)
-    assert set(link._all_progress()) == {"a"}
+    read = _reader(swarm, True, monkeypatch)
+    assert set(read()) == {"a"}
     assert swarm.reads == [True, False]
 
 
 def test_a_local_read_that_lost_a_peer_which_did_not_say_it_left_asks_the_dht(monkeypatch):
     local = {"a": dict(round=1), "b": dict(round=1)}
     swarm = _Swarm(local, dict(local), pushing={"a", "b"})
-    link = _link(swarm, True, monkeypatch)
-    link._all_progress()
+    read = _reader(swarm, True, monkeypatch)
+    read()
     del local["b"]  # our routing tables dropped each other: its pushes stopped and its record expired here
-    assert set(link._all_progress()) == {"a", "b"}  # the DHT's other nodes still hold it
+    assert set(read()) == {"a", "b"}  # the DHT's other nodes still hold it
     assert swarm.reads == [True, True, False]
 
 
 def test_a_peer_whose_record_was_not_renewed_here_is_pinged_and_not_again_soon_and_a_client_never(monkeypatch):
     local = {"a": dict(round=1), "b": dict(round=1)}  # "b" only as a DHT read left it: never renewed here
     swarm = _Swarm(local, {**local, "c": dict(round=1, client=True), "d": dict(round=1)}, pushing={"a"})
-    link = _link(swarm, True, monkeypatch)
-    for _ in range(_DHT_EVERY):
-        link._all_progress()
+    read = _reader(swarm, True, monkeypatch)
+    for _ in range(DHT_EVERY):
+        read()
     assert swarm.reads[-1] is False and swarm.pinged == [["b", "d"]]  # "a" pushes to us; "c" can't be dialled
-    for _ in range(_DHT_EVERY):
-        link._all_progress()
+    for _ in range(DHT_EVERY):
+        read()
     assert swarm.pinged == [["b", "d"]]  # pinged a minute ago at most: not again yet
 
 
 def test_introductions_are_few_per_read(monkeypatch):
-    strangers = {f"peer{i:02d}": dict(round=1) for i in range(3 * _INTRODUCE_LIMIT)}
+    strangers = {f"peer{i:02d}": dict(round=1) for i in range(3 * INTRODUCE_LIMIT)}
     swarm = _Swarm({}, strangers, pushing=set())
-    link = _link(swarm, True, monkeypatch)
-    link._all_progress()
-    assert len(swarm.pinged) == 1 and len(swarm.pinged[0]) == _INTRODUCE_LIMIT
+    read = _reader(swarm, True, monkeypatch)
+    read()
+    assert len(swarm.pinged) == 1 and len(swarm.pinged[0]) == INTRODUCE_LIMIT
     assert set(swarm.pinged[0]) <= set(strangers)
 
 
 def test_without_push_every_read_asks_the_dht_and_nobody_is_pinged(monkeypatch):
     swarm = _Swarm({"a": dict(round=1)}, {"a": dict(round=1), "b": dict(round=1)}, pushing={"a"})
-    link = _link(swarm, False, monkeypatch)
-    assert all(set(link._all_progress()) == {"a", "b"} for _ in range(3))
+    read = _reader(swarm, False, monkeypatch)
+    assert all(set(read()) == {"a", "b"} for _ in range(3))
     assert swarm.reads == [False] * 3 and swarm.pinged == []

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from p2p_diloco.config import SwarmConfig
-from p2p_diloco.joining import dht_options
-from p2p_diloco.reachability import direct_line, observed_endpoint, relay_of
+from p2p_diloco.core.config import SwarmConfig
+from p2p_diloco.swarm.joining import dht_options
+from p2p_diloco.swarm.reachability import direct_line, observed_endpoint, relay_of
 
 PEER = "12D3KooWDGQAkevkKV36UiPMUBEyRAb3eS7DdurCmoSwf9NbQJsE"
 RELAY = "12D3KooWRRm7U2j1aJNDKHKUmad9Ax79zwNC7zrqB9E9RzTSHUgD"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from p2p_diloco.report import build_report, check_invariant_1, invariant_1_status, read_metrics
+from p2p_diloco.observe.report import build_report, check_invariant_1, invariant_1_status, read_metrics
 
 H0, H1, H1_FORK, H2 = "0" * 64, "1" * 64, "f" * 64, "2" * 64
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from p2p_diloco.portable import seeded_normal
-from p2p_diloco.robust import RobustPolicy, result_problem, robust_average
+from p2p_diloco.core.portable import seeded_normal
+from p2p_diloco.core.robust import RobustPolicy, result_problem, robust_average
 
 SHAPE = torch.Size([4096])
 POLICY = RobustPolicy()

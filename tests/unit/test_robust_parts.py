@@ -9,9 +9,7 @@ import pytest
 import torch
 from hivemind.dht.validation import DHTRecord
 
-from p2p_diloco.guarded import RobustPartReducer
-from p2p_diloco.membership import MemberRecordValidator, load_swarm_key
-from p2p_diloco.robust import (
+from p2p_diloco.core.robust import (
     RobustPolicy,
     TokenLedger,
     clamp_weights,
@@ -21,6 +19,8 @@ from p2p_diloco.robust import (
     result_problem,
     robust_average,
 )
+from p2p_diloco.swarm.guarded import RobustPartReducer
+from p2p_diloco.swarm.membership import MemberRecordValidator, load_swarm_key
 
 POLICY = RobustPolicy()
 SHAPE = torch.Size([512])

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from p2p_diloco.averaging import run_averaging
+from p2p_diloco.swarm.averaging import run_averaging
 
 
 class FakeAverager:

@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from p2p_diloco.sim.bandwidth import BandwidthConfig, allreduce_time_s, island_bandwidth
-from p2p_diloco.sim.calibrate import CalibrationError, calibrate, replay
-from p2p_diloco.sim.cli import main
-from p2p_diloco.sim.goodput import FaultConfig, Interruption, MethodConfig, elastic_dp, simulate, sync_dp
-from p2p_diloco.sim.scenarios import ReportBandwidth, report_bandwidth
+from experiments.sim.bandwidth import BandwidthConfig, allreduce_time_s, island_bandwidth
+from experiments.sim.calibrate import CalibrationError, calibrate, replay
+from experiments.sim.cli import main
+from experiments.sim.goodput import FaultConfig, Interruption, MethodConfig, elastic_dp, simulate, sync_dp
+from experiments.sim.scenarios import ReportBandwidth, report_bandwidth
 
 NEVER = FaultConfig(mtbi_chip_s=1e30)
 
@@ -193,7 +193,7 @@ def test_calibration_reads_the_recorded_overheads(chaos_folder):
 
 
 def test_calibration_reproduces_the_goodput_the_chaos_harness_measured(chaos_folder):
-    from p2p_diloco.chaos import analyse  # the harness's own figure, computed independently of the simulator
+    from experiments.chaos import analyse  # the harness's own figure, computed independently of the simulator
 
     folder, run = chaos_folder
     measured = analyse(run, averaging_timeout_s=60)["swarm_goodput"]

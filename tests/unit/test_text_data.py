@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from p2p_diloco.config import DataConfig
-from p2p_diloco.data import open_dataset
-from p2p_diloco.text_data import FileDataset, load_tokenizer
+from p2p_diloco.core.config import DataConfig
+from p2p_diloco.train.data import open_dataset
+from p2p_diloco.train.text_data import FileDataset, load_tokenizer
 
 from .helpers import documents, train_tokenizer, write_parquet
 

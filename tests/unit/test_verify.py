@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2p_diloco.config import OuterConfig
-from p2p_diloco.link import SwarmState
-from p2p_diloco.outer import OuterOptimizer, Segment, state_sha256
-from p2p_diloco.portable import seeded_normal
-from p2p_diloco.verify import next_step_problem, state_problem
+from p2p_diloco.core.config import OuterConfig
+from p2p_diloco.core.link import SwarmState
+from p2p_diloco.core.outer import OuterOptimizer, Segment, state_sha256
+from p2p_diloco.core.portable import seeded_normal
+from p2p_diloco.core.verify import next_step_problem, state_problem
 
 SHAPES = [(6, 4), (5,)]
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from p2p_diloco import watch as watch_module
-from p2p_diloco.watch import SwarmWatch, pack_stats, unpack_stats
+from p2p_diloco.observe import watch as watch_module
+from p2p_diloco.observe.watch import SwarmWatch, pack_stats, unpack_stats
 
 
 class Clock:

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from p2p_diloco.display import TerminalProgress, human_bytes, render_table
-from p2p_diloco.metrics import FanOutSink, open_sink
-from p2p_diloco.watch import SwarmWatch, pack_stats
+from p2p_diloco.observe.display import TerminalProgress, human_bytes, render_table
+from p2p_diloco.observe.metrics import FanOutSink, open_sink
+from p2p_diloco.observe.watch import SwarmWatch, pack_stats
 
 
 def _metrics_record(step: int, status: str = "ok", eval_loss: float | None = 2.25) -> dict:
@@ -98,7 +98,7 @@ def test_tensorboard_scalars_per_outer_step(tmp_path):
 
 
 def test_monitor_and_tensorboard_settings_are_checked():
-    from p2p_diloco.config import build_config
+    from p2p_diloco.core.config import build_config
 
     config = build_config({"run": {"monitor_port": 8470, "monitor_host": "0.0.0.0", "tensorboard_dir": "runs/tb"}})
     assert (config.run.monitor_port, config.run.monitor_host, config.run.tensorboard_dir) == (8470, "0.0.0.0", "runs/tb")
@@ -108,10 +108,10 @@ def test_monitor_and_tensorboard_settings_are_checked():
 
 
 def test_the_local_swarm_gives_the_monitor_flags_to_its_first_peer_only():
-    from p2p_diloco.launcher import _first_peer_only
+    from p2p_diloco.cli.launch import first_peer_only
 
     argv = ["--inner-steps", "20", "--monitor-port", "8470", "--monitor-host=0.0.0.0", "--tensorboard", "runs/tb"]
-    assert _first_peer_only(argv) == (
+    assert first_peer_only(argv) == (
         ["--inner-steps", "20", "--tensorboard", "runs/tb"], ["--monitor-port", "8470", "--monitor-host=0.0.0.0"]
     )
 

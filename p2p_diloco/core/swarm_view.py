@@ -1,0 +1,214 @@
+"""What one peer knows of the others and decides from their progress records: pure policies, records in and
+decisions out, with no DHT and no averager (swarm/swarm_link.py feeds them and carries them out).
+
+- ``SwarmView``: whom this peer counts (live, unbanned, unshunned), the weight limits their published progress
+  supports, the round as the records show it (``round_view``), the state to take (``target``: history.py) and the
+  claims and donors it bans for (docs/design.md §4, §7).
+- ``ProgressPace``: how often this peer publishes and reads records: fast near a round's end, while averaging, at
+  start and after a peer joined; idle otherwise.
+
+A record is anyone's word: every number is checked (``well_formed``) and every decision bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+from p2p_diloco.core import history
+from p2p_diloco.core.link import RoundView
+from p2p_diloco.core.robust import TokenLedger, banned_by_majority
+
+logger = logging.getLogger(__name__)
+NEAR_PERIODS = 3  # within this many idle periods of a round's end (or of a change), progress records go fast
+CLAIMS_TO_BAN = 3  # checks at which a peer may be found making an unbacked claim before it is banned (history.py)
+BAD_STATES_TO_BAN = 2  # states a donor may serve that do not verify before it is banned
+PLAN_FIELDS = frozenset({"round_budget", "round_deadline"})  # what ends a peer's round; read by the others' pace
+_NUMERIC_FIELDS = ("round", "outer_step", "round_tokens", "round_budget", "rate", "time", "period", "round_deadline")
+
+
+def well_formed(record: object) -> bool:
+    """A progress record whose numeric fields, where present, are finite numbers: anyone can write one, and an
+    infinite ``round`` or ``rate`` (msgpack carries them) raised OverflowError in the training loop's arithmetic."""
+    if not isinstance(record, dict):
+        return False
+    for name in _NUMERIC_FIELDS:
+        value = record.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)):
+            return False
+    return True
+
+
+def tokens_now(record: Mapping, now: float, horizon_s: float) -> int:
+    """A peer's round tokens now: what it published, plus its rate times the record's age (at most ``horizon_s``).
+    Records are a period or two old; without this, short rounds overshoot their budget."""
+    try:
+        tokens, rate, age = int(record.get("round_tokens", 0)), float(record.get("rate", 0.0)), now - float(record.get("time", now))
+    except (TypeError, ValueError, OverflowError):
+        return 0
+    tokens = max(0, tokens)
+    extra = max(0.0, rate) * min(max(0.0, age), horizon_s)
+    if not math.isfinite(extra):
+        return tokens  # a hostile or broken record (rate inf or 1e308: int() of it raised in the learner's loop)
+    return tokens + int(extra)
+
+
+def horizon_s(record: Mapping, fast_s: float, idle_s: float, period_now_s: float) -> float:
+    """How far ahead a peer's record is extrapolated: two periods, of the longer of the one it says it was published
+    under and the one we read at now (a record read every 5 s may be 6 s old though published every second), within
+    our own two idle periods (a record can't stretch its tokens further by claiming a long one)."""
+    period = record.get("period", fast_s)
+    if isinstance(period, bool) or not isinstance(period, int | float) or not math.isfinite(period):
+        period = fast_s
+    return 2 * min(max(period, period_now_s, fast_s), idle_s)
+
+
+class SwarmView:
+    """This peer's knowledge of the others (see the module docstring). ``anchors``: the peers it was told to join
+    through; ``fast_s``/``idle_s``: the progress records' periods, which bound how far a record is extrapolated."""
+
+    def __init__(self, own_id: str, anchors: Iterable[str] = (), fast_s: float = 1.0, idle_s: float = 5.0):
+        self.own_id, self.anchors = own_id, frozenset(anchors)
+        self.fast_s, self.idle_s, self.period_now_s = fast_s, idle_s, fast_s
+        self.ledger = TokenLedger()
+        # every set below is replaced whole, never changed in place: two threads read them
+        self.banned: frozenset[str] = frozenset()  # reducers our averager banned (bad averages)
+        self.shunned: frozenset[str] = frozenset()  # peers most of the swarm banned (robust.banned_by_majority)
+        self.history_banned: frozenset[str] = frozenset()  # unbacked claims, states that did not verify
+        # peers proven to have averaged: our groups' members, and those a verified state's history names. Only they
+        # vote on bans (anyone can write a progress record under any subkey)
+        self.participants: frozenset[str] = frozenset()
+        # senders our reducer left out of our latest averaging: they add nothing to the outer step, so they don't
+        # count in our round's budget, nor end it
+        self.left_out: frozenset[str] = frozenset()
+        self._claims: dict[str, tuple[frozenset[history.Node], int]] = {}  # peer -> (heads said, checks it claimed at)
+        self._bad_states: dict[str, int] = {}
+
+    def excluded(self) -> frozenset[str]:
+        return self.banned | self.shunned | self.history_banned
+
+    def bans(self) -> list[str]:
+        """What this peer publishes as its bans (the others take its word once most of them agree)."""
+        return sorted(self.banned | self.history_banned)
+
+    def live(self, records: Mapping[str, dict]) -> dict[str, dict]:
+        """The records of peers we count: not banned by us, not shunned by most of the swarm."""
+        excluded = self.excluded()
+        return {peer: record for peer, record in records.items() if peer not in excluded}
+
+    def observe(self, records: Mapping[str, dict], now: float) -> dict[str, dict]:
+        """Note the tokens each peer published per round (its weight limit; banned peers' too: a groupmate that has
+        not banned one can still let it into a group with us) and who most of the swarm banned; the live records."""
+        for peer, record in records.items():
+            self.ledger.observe(peer, record.get("round"), tokens_now(record, now, self.horizon(record)))
+        shunned = banned_by_majority(dict(records), self.own_id, self.banned, self.participants)
+        for peer in sorted(shunned - self.shunned):
+            logger.warning("%s was banned by most peers of the swarm: not grouping with it either", peer)
+        self.shunned = shunned
+        return self.live(records)
+
+    def horizon(self, record: Mapping) -> float:
+        return horizon_s(record, self.fast_s, self.idle_s, self.period_now_s)
+
+    def round_view(self, records: Mapping[str, dict], round_index: int, now: float) -> RoundView:
+        """The others' progress in ``round_index``, the senders our reducer left out excepted (their tokens add
+        nothing to the outer step: they neither count towards the round's budget nor end it)."""
+        peers = [record for peer, record in records.items() if peer not in self.left_out]
+        return RoundView(
+            live_peers=len(peers),
+            tokens_by_others=sum(tokens_now(r, now, self.horizon(r)) for r in peers if r.get("round") == round_index),
+            peers_ahead=sum(int(r.get("round", -1)) > round_index for r in peers if well_formed(r)),
+        )
+
+    def target(self, records: Mapping[str, dict], chain: Sequence[history.Node], fresh: bool) -> history.Target | None:
+        """The state to take (history.choose_target among the live peers); with nothing to follow, the heads far ahead
+        are claims the swarm does not back: said once each, and a peer found claiming at ``CLAIMS_TO_BAN`` checks
+        is banned."""
+        live = self.live(records)
+        target = history.choose_target(live, chain, fresh, self.own_id, self.anchors)
+        if target is None and not fresh:
+            for peer, node in history.unbacked_claims(live, chain, self.own_id).items():
+                said, checks = self._claims.get(peer, (frozenset(), 0))
+                if node not in said:
+                    logger.warning("ignoring outer step %d claimed by %s: no majority of the swarm vouches for it",
+                                   node[0], peer)
+                self._claims[peer] = (said | {node}, checks + 1)
+                if checks + 1 >= CLAIMS_TO_BAN:
+                    self._ban(peer, f"it claimed outer steps that no majority of the swarm vouches for, at {checks + 1} "
+                                    "of our checks")
+        return target
+
+    def moved_past(self, records: Mapping[str, dict], own_record: Mapping, outer_step: int) -> bool:
+        """Whether a search for a group at ``outer_step`` can no longer succeed (history.moved_past)."""
+        chain = history.chain_of(own_record)
+        if not chain or chain[-1][0] != outer_step:
+            return False
+        return history.moved_past(self.live(records), chain, self.own_id)
+
+    def refuse_donor(self, donor: str, reason: str) -> None:
+        """A state we could not verify: a donor that serves ``BAD_STATES_TO_BAN`` of them is banned."""
+        self._bad_states[donor] = self._bad_states.get(donor, 0) + 1
+        if self._bad_states[donor] >= BAD_STATES_TO_BAN:
+            self._ban(donor, f"it served states that did not verify ({reason})")
+
+    def _ban(self, peer: str, why: str) -> None:
+        if peer not in self.history_banned:
+            logger.warning("banning %s: %s", peer, why)
+            self.history_banned = self.history_banned | {peer}
+
+
+class ProgressPace:
+    """The progress records' next period: ``fast_s`` while anything is near or changing, ``idle_s`` otherwise.
+    Near: the round's end is less than ``NEAR_PERIODS`` idle periods away by the records at hand. Changing: the
+    first ``NEAR_PERIODS`` idle periods after start, or after a peer joined (it must be seen by all alike before the
+    round ends), and while an averaging is in flight (its group forms, and a step others take must be seen at once).
+    Published records carry the period (``horizon_s``)."""
+
+    def __init__(self, fast_s: float, idle_s: float, ttl_s: float, now: float | None = None):
+        self.fast_s, self.idle_s, self.ttl_s = fast_s, idle_s, ttl_s
+        self.fast_until = (time.monotonic() if now is None else now) + NEAR_PERIODS * idle_s
+        self._seen: dict[str, float] = {}  # peer id -> when (monotonic) its record was last seen
+
+    def next_period(self, own: Mapping, peers: Mapping[str, dict], averaging: bool, now: float, dht_now: float) -> float:
+        """The period to publish under next, from our record and the others' (``now``: monotonic; ``dht_now``: the
+        DHT's clock, which records' times are in)."""
+        if self.idle_s <= self.fast_s:
+            return self.fast_s
+        # a joiner: a peer not seen within a record's lifetime. A known peer missing from one read (a partial DHT
+        # answer) is no change; a peer that left or died shrinks the round's budget, which brings its end nearer
+        joined = [peer for peer in peers if now - self._seen.get(peer, -math.inf) > self.ttl_s]
+        self._seen.update((peer, now) for peer in peers)
+        if joined:
+            self.fast_until = max(self.fast_until, now + NEAR_PERIODS * self.idle_s)
+        if now < self.fast_until or averaging:
+            return self.fast_s
+        far = self.seconds_to_round_end(own, peers, dht_now, self.fast_s) > NEAR_PERIODS * self.idle_s
+        return self.idle_s if far else self.fast_s
+
+    def seconds_to_round_end(self, own: Mapping, peers: Mapping[str, dict], now: float, period_now_s: float) -> float:
+        """When this peer's round ends, by the records: the soonest of the budgets (ours and those the others in our
+        round published, which may be smaller) less the round's tokens over the round's rate, and of the round
+        deadlines published. 0 when unknown (no budget published yet, nobody training) or when a peer is already
+        past our round. A hostile budget or deadline can only make this peer publish more often."""
+        try:
+            round_index, budget = int(own["round"]), int(own["round_budget"])
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return 0.0
+        tokens, rate, deadline = 0, 0.0, float("inf")
+        for record in [own, *peers.values()]:
+            if not well_formed(record):
+                continue
+            their_round, their_rate = int(record.get("round", -1)), float(record.get("rate", 0.0))
+            if their_round > round_index:
+                return 0.0
+            if their_round == round_index:
+                tokens += tokens_now(record, now, horizon_s(record, self.fast_s, self.idle_s, period_now_s))
+                rate += max(0.0, their_rate)
+                if record.get("round_budget"):
+                    budget = min(budget, int(record["round_budget"]))
+                if record.get("round_deadline"):
+                    deadline = min(deadline, float(record["round_deadline"]))
+        by_tokens = max(0, budget - tokens) / rate if rate > 0 else 0.0
+        return max(0.0, min(by_tokens, deadline - now))

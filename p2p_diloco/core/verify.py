@@ -1,0 +1,82 @@
+"""Checks of a state downloaded from another peer, whose every byte and number is that peer's word
+(docs/design.md §7): the whole state's form, and a next step recomputed from our own state. Pure torch.
+
+- ``state_problem``: every tensor of the shapes and dtype this model has, params and momentum finite, the momentum
+  bounded (10 times the params' norm, far above any honest momentum: an outer step adds at most a few times an
+  outer gradient to it), counters that agree with the outer step, a well-formed round history and chain.
+- ``next_step_problem``: a state one step past ours that no majority vouches for (a swarm of two) is taken only if
+  our own state plus the average its donor serves gives exactly its bytes (the portable arithmetic makes this a
+  byte comparison, docs/design.md §5), and that average passes the checks a reducer's result passes against the
+  outer gradient we sent for that step (robust.result_problem): its donor can move us no further than a reducer
+  could.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from p2p_diloco.core.config import OuterConfig
+from p2p_diloco.core.link import SwarmState
+from p2p_diloco.core.outer import OuterOptimizer, Segment, state_sha256
+from p2p_diloco.core.robust import RobustPolicy, result_problem
+
+MOMENTUM_BOUND = 10.0  # a served momentum's norm may be at most this times its params' norm (or 1, if larger)
+MAX_HISTORY_PEERS = 1024  # peers one served round may name
+
+
+def state_problem(
+    metadata: Mapping, params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
+) -> str | None:
+    """Why the served state cannot be ours to take (its form, numbers and counters), or None."""
+    if len(params) != len(shapes) or len(momentum) != len(shapes):
+        return f"it serves {len(params)} params and {len(momentum)} momentum tensors, this model has {len(shapes)}"
+    for name, tensors in (("params", params), ("momentum", momentum)):
+        for index, (tensor, shape) in enumerate(zip(tensors, shapes)):
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch.float32:
+                return f"its {name} tensor {index} is {tensor.dtype} {tuple(tensor.shape)}, not float32 {tuple(shape)}"
+            if not bool(torch.isfinite(tensor).all()):
+                return f"its {name} tensor {index} holds non-finite values"
+    params_norm = math.sqrt(sum(float(t.double().square().sum()) for t in params))
+    momentum_norm = math.sqrt(sum(float(t.double().square().sum()) for t in momentum))
+    if momentum_norm > MOMENTUM_BOUND * max(1.0, params_norm):
+        return f"its momentum's norm {momentum_norm:.3g} is over {MOMENTUM_BOUND:g}x its params' ({params_norm:.3g})"
+    step, taken, into = (metadata.get(key) for key in ("outer_step", "outer_steps_taken", "steps_into_round"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**53 for v in (step, taken, into)):
+        return "its counters are not integers in range"
+    if taken != step:  # every outer step is one step of the outer optimizer, on every peer
+        return f"it took {taken} outer steps to reach outer step {step}"
+    history = metadata.get("round_history", {})
+    if not isinstance(history, Mapping) or not all(
+        str(key).isdigit() and int(key) < step and isinstance(peers, list | tuple) and len(peers) <= MAX_HISTORY_PEERS
+        for key, peers in history.items()
+    ):
+        return "its round history names steps it has not made, or too many peers"
+    return None
+
+
+def next_step_problem(
+    state: SwarmState, own_step: int, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+    steps_taken: int, own_sha256: str, outer: OuterConfig, segments: Sequence[Segment],
+    averaged: Sequence[torch.Tensor] | None, sent: Sequence[torch.Tensor], policy: RobustPolicy | None = None,
+) -> str | None:
+    """Why ``state`` is not the step after ours: ``averaged``, the donor's average as one 1-D piece per segment of
+    the fragment that step averaged, applied to our params and momentum, must give its sha256; and it must pass a
+    reducer result's checks against ``sent``, the outer gradient we sent for that step (one piece per segment)."""
+    if state.outer_step != own_step + 1 or averaged is None or state.parent_sha256 != own_sha256:
+        return "it serves no average made from our state"
+    params, buffers = [p.clone() for p in global_params], [m.clone() for m in momentum]
+    optimizer = OuterOptimizer(params, outer)
+    optimizer.load_state(buffers, steps_taken)
+    try:
+        optimizer.step(list(averaged), list(segments))
+    except (RuntimeError, ValueError) as e:  # pieces of the wrong size
+        return f"its average does not fit our params ({type(e).__name__})"
+    if state_sha256(params, optimizer.momentum_buffers) != state.global_sha256:
+        return "our state plus the average it serves does not give its bytes"
+    policy = policy or RobustPolicy()
+    flat = torch.cat([piece.reshape(-1) for piece in averaged])
+    problem = result_problem(flat, torch.cat([piece.reshape(-1) for piece in sent]), policy, policy.result_weight_scale_cap)
+    return f"its average fails the checks of a reducer's result: {problem}" if problem else None

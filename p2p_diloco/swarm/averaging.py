@@ -1,0 +1,494 @@
+"""Exact, compressed, leaderless averaging over hivemind's butterfly all-reduce.
+
+hivemind 1.1.12 has three behaviours we cannot accept (docs/design.md §6), fixed here by subclassing small
+pieces of it rather than copying it:
+
+1. *Peers get different averages.* A reducer sends each sender ``average - sender's part`` and keeps the
+   exact average for itself; senders add the delta. With a lossy codec the peers' results differ, and even
+   in fp32 the last bit differs. Here each reducer encodes the average of its part **once**, sends those
+   same bytes to every sender, decodes the same bytes for itself, and every peer *replaces* its part with
+   the decoded result. Same bytes in, same bytes out: invariant 1.
+2. *A partial all-reduce reports success.* When a reducer dies, hivemind fills its part with the peer's
+   own value and logs a warning. Here any lost part makes the round fail, loudly, as a returned value.
+3. *The 8-bit codec crashes under numpy 2* and the failure is swallowed. Our codecs
+   (``compression.py``) are registered in hivemind's codec registry for the wire types they use.
+
+This module does not decide *when* to average or what to do with the result: that is the learner's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import multiprocessing as mp
+import random
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, AllreduceException, BannedException
+from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
+from hivemind.compression import serialization as hivemind_serialization
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from p2p_diloco.core.compression import Codec, MalformedPayloadError, decode_received, make_codec, received_shape
+from p2p_diloco.core.link import AveragingOutcome
+from p2p_diloco.swarm.wire_guard import install_checked_decoders
+
+logger = logging.getLogger(__name__)
+
+_WIRE_TYPES = {
+    "none": runtime_pb2.CompressionType.NONE,
+    "fp16": runtime_pb2.CompressionType.FLOAT16,
+    "int8": runtime_pb2.CompressionType.BLOCKWISE_8BIT,
+    # hivemind's wire enum has no 4-bit type: NF4 parts travel under UNIFORM_8BIT's id, which p2p-diloco
+    # never uses otherwise; every peer decodes it with our codec (install_wire_codecs)
+    "int4": runtime_pb2.CompressionType.UNIFORM_8BIT,
+}
+_QUANTIZATION_BLOCK = 256  # every part holds whole quantization blocks (64 for int4, 256 for int8)
+_PARTS_PER_AVERAGING = 32  # enough parts that every peer of a group reduces about its share
+_MIN_PART_VALUES = 16 * _QUANTIZATION_BLOCK
+
+
+def part_values_for(codec: Codec, total_values: int) -> int:
+    """Values per all-reduce part for averagings of ``total_values``: about 1/32 of the total, in whole
+    quantization blocks, and no larger than hivemind's default part (2**19 bytes on the wire).
+
+    hivemind hands each part whole to one reducer, so with its default a streaming fragment of a few hundred
+    thousand values is a single part and one peer reduces all of it: that peer sends twice the bytes of the
+    others, and the burst that fragments are meant to cut comes back. Small parts spread the load evenly.
+    """
+    largest = max(_QUANTIZATION_BLOCK, int(DEFAULT_PART_SIZE_BYTES / codec.bytes_per_value()) // _QUANTIZATION_BLOCK * _QUANTIZATION_BLOCK)
+    wanted = -(-total_values // _PARTS_PER_AVERAGING)
+    wanted = -(-wanted // _QUANTIZATION_BLOCK) * _QUANTIZATION_BLOCK
+    return min(largest, max(_MIN_PART_VALUES, wanted))
+
+
+def part_norms_of(tensors: Sequence[torch.Tensor], part_values: int) -> list[float]:
+    """The L2 norm of each all-reduce part of ``tensors``, in hivemind's order (each tensor flattened and cut into
+    pieces of ``part_values`` values: ``TensorPartContainer``)."""
+    return [float(piece.norm()) for tensor in tensors for piece in tensor.detach().reshape(-1).split(part_values)]
+
+
+class WireCodec(CompressionBase):
+    """Adapts a p2p_diloco codec to hivemind's three-method CompressionBase (fp32 tensors only).
+
+    ``part_values``: how many values hivemind puts in one all-reduce part (see ``part_values_for``).
+    """
+
+    def __init__(self, codec: Codec, part_values: int | None = None):
+        self.codec = codec
+        self.part_values = part_values or part_values_for(codec, 2**40)  # default: hivemind's own part size
+        self.compression_type = _WIRE_TYPES[codec.name]
+        # load the codec's native library here, before the averager forks: importing bitsandbytes takes
+        # seconds, longer than a groupmate waits for our first chunk, so a lazy import fails the first round
+        codec.decode(codec.encode(torch.zeros(8)), 8)
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=self.codec.encode(tensor.detach().reshape(-1)),
+            size=tensor.shape,
+            dtype="float32",
+            requires_grad=False,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        """Decode a part; the bytes may come from a stranger, so a malformed one raises MalformedPayloadError
+        (shape, dtype, length and block scales are checked before anything is allocated)."""
+        shape = received_shape(serialized_tensor.size)
+        if serialized_tensor.dtype != "float32":  # compress() always writes float32
+            raise MalformedPayloadError(f"{self.codec.name} part has dtype {serialized_tensor.dtype[:32]!r}, not float32")
+        return decode_received(self.codec, serialized_tensor.buffer, shape.numel()).reshape(shape)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        # hivemind cuts tensors into parts of int(part_size_bytes / (4 * ratio)) values; report the ratio that
+        # makes that exactly part_values, a whole number of quantization blocks, so a part re-quantizes
+        # exactly like the whole tensor did (error feedback relies on it)
+        return DEFAULT_PART_SIZE_BYTES / (4.0 * (self.part_values + 0.5))
+
+
+def install_wire_codecs() -> None:
+    """Make hivemind decode fp16 and 8-bit parts with our codecs, in this process and its forks.
+
+    Receivers decode through hivemind's global registry, keyed by the wire type in each message, so this
+    must run in every peer process before its averager starts (the averager is a forked child).
+    """
+    for name in ("fp16", "int8", "int4"):
+        wire_type = runtime_pb2.CompressionType.Name(_WIRE_TYPES[name])
+        hivemind_serialization._BASE_COMPRESSION_TYPES[wire_type] = WireCodec(make_codec(name))
+    install_checked_decoders(hivemind_serialization._BASE_COMPRESSION_TYPES)  # and hivemind's other types
+
+
+class TrafficCounters:
+    """Bytes of averaging messages sent and received, shared between the averager process and its parent."""
+
+    def __init__(self) -> None:
+        self._sent = mp.Value(ctypes.c_double, 0.0)
+        self._received = mp.Value(ctypes.c_double, 0.0)
+
+    def add_sent(self, num_bytes: int) -> None:
+        with self._sent.get_lock():
+            self._sent.value += num_bytes
+
+    def add_received(self, num_bytes: int) -> None:
+        with self._received.get_lock():
+            self._received.value += num_bytes
+
+    def totals(self) -> tuple[int, int]:
+        return int(self._sent.value), int(self._received.value)
+
+
+async def _metered(messages: AsyncIterator[Any], count: Callable[[int], None]) -> AsyncIterator[Any]:
+    async for message in messages:
+        count(message.ByteSize())
+        yield message
+
+
+class _MeteredStub:
+    """Wraps an averager stub so that the sender side of an all-reduce counts its bytes."""
+
+    def __init__(self, stub: Any, traffic: TrafficCounters):
+        self._stub, self._traffic = stub, traffic
+
+    async def rpc_aggregate_part(self, requests: AsyncIterator[averaging_pb2.AveragingData]) -> AsyncIterator[Any]:
+        stream = await self._stub.rpc_aggregate_part(_metered(requests, self._traffic.add_sent))
+        return _metered(stream, self._traffic.add_received)
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """Butterfly all-reduce whose result is bit-identical on every peer of the group.
+
+    Outputs are *averages* (not deltas): the averager replaces its tensors with them.
+    ``lost_values`` > 0 after the run means some reducer's part never arrived: the round is partial.
+    """
+
+    def __init__(self, *, wire_codec: WireCodec, traffic: TrafficCounters, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._wire_codec, self._traffic = wire_codec, traffic
+        self._encoded_results: dict[int, asyncio.Future] = {}
+
+    @property
+    def lost_values(self) -> int:
+        return self.tensor_part_container.failed_size
+
+    def _get_peer_stub(self, peer: PeerID) -> Any:
+        return _MeteredStub(super()._get_peer_stub(peer), self._traffic)
+
+    def _encode_result(self, part_index: int, averaged_part: torch.Tensor) -> asyncio.Future:
+        """Encode each averaged part once; every sender, this peer included, receives these bytes."""
+        if part_index not in self._encoded_results:
+            info = CompressionInfo.from_tensor(averaged_part)
+            self._encoded_results[part_index] = asyncio.get_event_loop().run_in_executor(
+                None, self._wire_codec.compress, averaged_part, info
+            )
+        return self._encoded_results[part_index]
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        if peer_id != self.peer_id:
+            try:
+                return await super()._communicate_with_peer(peer_id)  # remote results arrive already encoded once
+            except Exception as e:  # hivemind says why only at DEBUG; the round is partial: say which part and why
+                logger.warning("reducer %s: its part never arrived (%s)", peer_id, f"{type(e).__name__}: {e}"[:300])
+                raise
+        # our own part: reduce it like any other, and take the same decoded bytes the senders get
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged_part = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            encoded = await self._encode_result(part_index, averaged_part)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, self._wire_codec.extract(encoded))
+
+    async def _ban_sender(self, peer_id: PeerID) -> None:
+        if peer_id not in self.banned_senders:  # hivemind says nothing: the sender's round comes back partial
+            received = self.tensor_part_reducer.num_parts_received[self.sender_peer_ids.index(peer_id)]
+            logger.warning("dropped sender %s from the parts we reduce after %d of %d parts", peer_id, received,
+                           self.tensor_part_reducer.num_parts)
+        await super()._ban_sender(peer_id)
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: Any):
+        async for message in super().rpc_aggregate_part(_metered(stream, self._traffic.add_received), context):
+            self._traffic.add_sent(message.ByteSize())
+            yield message
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
+        loop = asyncio.get_event_loop()
+        part_index = 0
+        try:
+            async for message in stream:
+                tensor_part = await loop.run_in_executor(None, deserialize_torch_tensor, message.tensor_part)
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=message.weight
+                    )
+                except BannedException:
+                    break  # that sender was dropped in the background; it gets no more results
+                encoded = await self._encode_result(part_index, averaged_part)
+                part_index += 1
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class PartialRoundError(AllreduceException):
+    """Some parts of the average never arrived; the tensors were left untouched."""
+
+
+async def _keep_group_key(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+class DilocoAverager(DecentralizedAverager):
+    """hivemind's averager with exact results, partial-round detection, byte counters and our state.
+
+    ``state_provider()`` returns ``(metadata, tensors)`` served to peers that download the state.
+    """
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht: Any,
+        *,
+        wire_codec: WireCodec,
+        state_provider: Callable[[], tuple[dict, Sequence[torch.Tensor]]],
+        runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner,
+        **kwargs: Any,
+    ):
+        install_wire_codecs()
+        self.wire_codec, self.traffic, self._state_provider = wire_codec, TrafficCounters(), state_provider
+        self.runner_class = runner_class  # tests inject faults with a subclass (RPC names follow our class name)
+        super().__init__(averaged_tensors, dht, compression=wire_codec, **kwargs)
+
+    def run(self) -> None:
+        # the averager process belongs to its peer: a SIGTERM sent to the whole process group (systemd, a
+        # launcher, kill -- -PGID) must leave it to the peer's own shutdown, which still needs it to finish.
+        # So hivemind's shutdown() fallback (terminate(), a SIGTERM) no longer ends it: the owner SIGKILLs it
+        # if shutdown() did not (SwarmLink.close does)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        super().run()
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, group_id=None, **kwargs):
+        # hivemind adds deltas as they arrive; we collect exact averages and write them only if none is missing
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = self.runner_class(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            wire_codec=self.wire_codec,
+            traffic=self.traffic,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        results = [result async for result in runner]
+        if runner.lost_values:
+            raise PartialRoundError(f"partial all-reduce: {runner.lost_values} of {runner.tensor_part_container.total_size} values lost")
+        for tensor, result in zip(tensors, results, strict=True):
+            tensor.copy_(result)
+
+    def set_round(self, outer_step: int, expected_group_size: int | None) -> None:
+        """Match only with peers averaging ``outer_step``, and assemble the group as soon as
+        ``expected_group_size`` peers are in it (None: wait out the whole matchmaking time, hivemind's way)."""
+        future = MPFuture()
+        self._outer_pipe.send(
+            ("_set_round", [], dict(group_bits=outer_step_key(outer_step), target=expected_group_size, future=future))
+        )
+        future.result(timeout=30)
+
+    async def _set_round(self, group_bits: str, target: int | None, future: MPFuture) -> None:
+        try:
+            matchmaking = self._matchmaking
+            # hivemind re-shuffles the group key after every assembled group (for gossip averaging); our key is
+            # the outer step and must stay fixed while a round is retried, so the re-shuffle is switched off
+            matchmaking.group_key_manager.update_key_on_group_assembled = _keep_group_key
+            matchmaking.group_key_manager.group_bits = group_bits
+            # a leader whose group reaches the target starts the all-reduce at once instead of waiting for the
+            # matchmaking time to run out: when every live peer is in, there is nobody left to wait for
+            matchmaking.target_group_size = target
+            matchmaking.potential_leaders.target_group_size = target
+            future.set_result(None)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(e)
+
+    def load_state_excluding(
+        self, timeout: float, exclude: Sequence[str] = ()
+    ) -> tuple[Any, Sequence[torch.Tensor], str] | None:
+        """hivemind's ``load_state_from_peers``, skipping donors in ``exclude`` (base58 peer ids): a donor whose
+        state failed verification is not asked again, the next one in priority order is. Returns
+        ``(metadata, tensors, donor's peer id)`` or None."""
+        future = MPFuture()
+        self._outer_pipe.send(("_load_state_excluding", [], dict(future=future, exclude=tuple(exclude))))
+        return future.result(timeout=timeout)
+
+    async def _load_state_excluding(self, future: MPFuture, exclude: tuple[str, ...]) -> None:
+        # as DecentralizedAverager._load_state_from_peers in hivemind 1.1.12, plus the ``exclude`` filter
+        try:
+            key_manager = self._matchmaking.group_key_manager
+            found, _ = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True) or ({}, None)
+            priority = {
+                PeerID(peer_id): (float(info.value), random.random())  # randomness breaks ties
+                for peer_id, info in (found.items() if isinstance(found, dict) else [])
+                if isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)
+            }
+            for peer in sorted(priority, key=priority.get, reverse=True):
+                if peer == self.peer_id or peer.to_base58() in exclude:
+                    continue
+                try:
+                    stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+                    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+                    metadata, parts, tensors = None, [], []
+                    async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
+                        if message.metadata:
+                            metadata = self.serializer.loads(message.metadata)
+                        if message.tensor_part.dtype and parts:  # a new tensor begins
+                            tensors.append(whole_tensor(parts))
+                            parts = []
+                        parts.append(message.tensor_part)
+                    if parts:
+                        tensors.append(whole_tensor(parts))
+                    if metadata:
+                        future.set_result((metadata, tensors, peer.to_base58()))
+                        return
+                except Exception as e:
+                    logger.warning("state download from %s failed: %r", peer, e)
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+
+def whole_tensor(parts: list[Any]) -> torch.Tensor:
+    """One streamed tensor from its chunks; a stream that ended early (the donor left or its link broke) ends
+    quietly in hivemind, so count the chunks instead of failing later on a tensor of the wrong size."""
+    if len(parts) != max(1, parts[0].chunks):  # an empty tensor still sends one (empty) chunk
+        raise ConnectionError(f"the state stream ended after {len(parts)} of {parts[0].chunks} chunks of a tensor")
+    return deserialize_torch_tensor(combine_from_streaming(parts))
+
+
+def outer_step_key(outer_step: int) -> str:
+    """Group-key bits for an outer step: only peers at the same outer step can be matched together."""
+    return format(outer_step, "b")
+
+
+class Abandoned(Exception):
+    """The search for a group was cancelled because ``should_abort`` said so."""
+
+
+def wait_for_step(control: Any, should_abort: Callable[[], bool] | None, poll_s: float = 0.5) -> Any:
+    """The result of a background ``averager.step``; while it is still looking for a group, poll
+    ``should_abort`` and cancel the search if it says so (an all-reduce that began is never cancelled)."""
+    while True:
+        try:
+            return control.result(timeout=poll_s)
+        except TimeoutError:
+            pass
+        if should_abort is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP and should_abort():
+            # if a group formed between the check and the cancel, the averager either runs its all-reduce (the
+            # others may apply our outer gradient while we report "stale": the learner's round history settles
+            # that) or drops the group (the others' round fails or is partial, and they catch up)
+            cancel_search(control)
+            raise Abandoned()
+
+
+def cancel_search(control: Any) -> None:
+    """Cancel a background ``averager.step`` so that the averager process sees it cancelled.
+
+    hivemind's ``StepControl.cancel()`` first wakes the averager (its cancel future) and only then marks the step
+    cancelled in shared memory. An averager woken in between reads the step as not cancelled and searches on
+    with it until the step's deadline (``averaging_timeout_s``): the next outer steps' searches wait behind it
+    ("Another look_for_group is already in progress"), and once the group key moved on, its requests carry the
+    old step and are refused. A reproduction's debug logs showed a cancelled search still sending requests 2.5 s
+    after the cancel; in CI a late joiner went stale 11 rounds in a row, most likely that way. Mark, then wake."""
+    MPFuture.cancel(control)  # the shared state the averager reads (we are the step's origin process)
+    control.cancel()  # the trigger and the cancel future; the state is already cancelled
+
+
+def run_averaging(
+    averager: DilocoAverager,
+    tensors: Sequence[torch.Tensor],
+    weight: float,
+    outer_step: int,
+    timeout_s: float,
+    expected_group_size: int | None = None,
+    should_abort: Callable[[], bool] | None = None,
+    base: str | None = None,
+    part_norms: Sequence[float] | None = None,
+) -> AveragingOutcome:
+    """Average ``tensors`` with the peers of ``outer_step``; never raises for network failures.
+
+    ``base``: the sha256 of the global params the outer gradient was measured from, declared in the group
+    request: a group whose members declare different bases (one of them on a fork) averages nothing here.
+    ``part_norms``: the norm of each all-reduce part of ``tensors`` (``part_norms_of``), declared in the group request:
+    every member checks the results it gets back against the group's declared norms (robust.result_problem).
+
+    ``expected_group_size``: the peers this one expects (itself included); the group starts averaging as soon
+    as that many joined, and otherwise after the matchmaking time with whoever came. ``should_abort``, polled
+    while no group is found yet, ends a search that cannot succeed any more (the swarm moved past this step).
+
+    A failure before any result arrived (no group yet, a groupmate gone during matchmaking) is retried
+    until ``timeout_s``. A *partial* all-reduce is not retried: some groupmates may already hold the
+    complete result, and a second group at the same outer step would give different bytes (a fork).
+    """
+    with averager.get_tensors() as buffers:
+        for buffer, tensor in zip(buffers, tensors, strict=True):
+            buffer.copy_(tensor)
+    try:
+        averager.set_round(outer_step, expected_group_size)
+    except Exception as e:  # the averager process is gone or stuck: no round this time
+        return AveragingOutcome(None, (), 0.0, "error", f"averager did not answer: {type(e).__name__}: {e}"[:300])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        control = averager.step(
+            gather=dict(outer_step=outer_step, weight=weight, **({"base": base} if base else {}),
+                        **({"part_norms": list(part_norms)} if part_norms is not None else {})),
+            weight=weight,
+            timeout=max(1.0, deadline - time.monotonic()),
+            allow_retries=False,
+            wait=False,
+        )
+        try:
+            gathered = wait_for_step(control, should_abort)
+        except Abandoned:
+            return AveragingOutcome(None, (), 0.0, "stale", "the swarm moved past this outer step while we looked for a group")
+        except Exception as e:  # hivemind raises a zoo of types for a failed round; all mean "no average"
+            text = f"{type(e).__name__}: {e}"
+            status = "partial" if "partial all-reduce" in text else "no_group" if "group" in text else "error"
+            if status == "partial" or deadline - time.monotonic() < 1.0:
+                return AveragingOutcome(None, (), 0.0, status, text[:300])
+            if should_abort is not None and should_abort():
+                return AveragingOutcome(None, (), 0.0, "stale", "the swarm moved past this outer step")
+            logger.debug("averaging attempt failed (%s); retrying", text)
+            continue
+        break
+    if not gathered:
+        return AveragingOutcome(None, (), 0.0, "no_group", "averager returned no group")
+    steps = {info.get("outer_step") for info in gathered.values() if isinstance(info, dict)}
+    if steps != {outer_step}:
+        return AveragingOutcome(None, (), 0.0, "error", f"group mixed outer steps {sorted(map(str, steps))}")
+    bases = {info.get("base") for info in gathered.values() if isinstance(info, dict)}
+    if base and bases != {base}:  # outer gradients measured from other params: their mean is no outer step of ours
+        return AveragingOutcome(None, (), 0.0, "error", f"group mixed global params ({len(bases)} bases)")
+    with averager.get_tensors() as buffers:
+        averaged = [buffer.clone() for buffer in buffers]
+    weight_total = float(sum(info.get("weight", 0.0) for info in gathered.values()))
+    return AveragingOutcome(averaged, tuple(str(p) for p in gathered), weight_total, "ok")

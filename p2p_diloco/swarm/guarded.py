@@ -1,0 +1,381 @@
+"""The averager a peer runs in a swarm it cannot trust: robust reducers, checked results, members only.
+
+Built on averaging.py's exact all-reduce (same bytes for every peer), by subclassing three small pieces:
+
+- ``RobustPartReducer`` (hivemind's ``TensorPartReducer``): holds each sender's part aside and, when the part is
+  complete, averages only the acceptable ones (``robust.robust_average``), with weights clamped to what each
+  sender's published progress supports. hivemind's own bookkeeping (part order, late and banned senders) runs
+  unchanged on a zero placeholder.
+- ``GuardedAllReduceRunner``: uses that reducer, and checks every averaged part it gets back from a reducer
+  (``robust.result_problem``) before it is applied; a bad one fails the round on our side ("partial all-reduce",
+  the failed-round path: the learner then catches up from the swarm) instead of corrupting our params.
+- ``GuardedAverager``: passes the weight limits for the round to its runner, hands the rejections back to the
+  parent process, and in a closed run (``membership``) refuses every averaging RPC from a non-member. A reducer
+  that returned bad averages is banned: never led by, never let into a group we lead, and named in each of our
+  group requests, so that it reduces no part in any group with us in it (``robust.demote_reducers``), even one
+  that a groupmate who has not banned it let it into.
+
+It does not decide who is a member (membership.py) nor what a failed round means (the learner does).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+from collections.abc import Callable, Sequence
+from typing import Any, AsyncIterator  # noqa: UP035 -- hivemind reads RPC stream types from typing.AsyncIterator only
+
+import torch
+from hivemind.averaging.partition import AllreduceException, TensorPartReducer
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.mpfuture import MPFuture
+
+from p2p_diloco.core.robust import RobustPolicy, demote_reducers, result_excess, result_problem, robust_average
+from p2p_diloco.swarm.averaging import DilocoAverager, ExactAllReduceRunner, PartialRoundError
+
+logger = logging.getLogger(__name__)
+_PLACEHOLDER = torch.zeros(())  # what hivemind's accumulator adds (times weight 0) while we hold the real part
+
+
+class RobustPartReducer(TensorPartReducer):
+    """A reducer that averages each part over the senders that pass the checks of robust.py.
+
+    ``allowed[i]``: tokens sender i's published progress supports (None: no limit known); ``report(i, reason,
+    left_out)`` is called for every sender left out of a part (``left_out`` True) or whose weight was clamped.
+    """
+
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        num_senders: int,
+        policy: RobustPolicy,
+        allowed: Sequence[float | None],
+        report: Callable[[int, str, bool], None],
+        own: int | None = None,
+    ):
+        self._inputs: dict[tuple[int, int], tuple[Any, float]] = {}  # (sender, part) -> (part, declared weight)
+        self._policy, self._allowed, self._report, self._own = policy, list(allowed), report, own
+        super().__init__(part_shapes, num_senders)
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        self._inputs[(sender_index, part_index)] = (tensor_part, weight)
+        return await super().accumulate_part(sender_index, part_index, _PLACEHOLDER, weight=0.0)
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.current_part_future.set_result(self._reduce_current_part())
+            self.reset_accumulators()
+
+    def _reduce_current_part(self) -> torch.Tensor:
+        index = self.current_part_index
+        # the senders hivemind counted for this part: a sender banned before sending it is not among them
+        senders = sorted(s for (s, p) in self._inputs if p == index and p < self.sender_failed_after[s])
+        inputs = [self._inputs[(s, index)] for s in senders]
+        for key in [key for key in self._inputs if key[1] <= index]:
+            del self._inputs[key]
+        result, notes, left_out = robust_average(
+            [part for part, _ in inputs],
+            [weight if isinstance(weight, int | float) else math.nan for _, weight in inputs],
+            [self._allowed[s] for s in senders],
+            torch.Size(self.part_shapes[index]),
+            self._policy,
+            own=senders.index(self._own) if self._own in senders else None,
+        )
+        for position, reason in notes.items():
+            self._report(senders[position], reason, position in left_out)
+        return result
+
+
+class GuardedAllReduceRunner(ExactAllReduceRunner):
+    """The exact all-reduce with robust reducers and checked results (see the module docstring).
+
+    ``guard``: the round's ``RoundGuard`` (weight limits in, rejections out).
+    """
+
+    def __init__(self, *, guard: RoundGuard, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.guard = guard
+        names = [peer.to_base58() for peer in self.sender_peer_ids]
+        self.tensor_part_reducer.finished.set()  # the reducer hivemind built is replaced unused: no "0% received" warning
+        self.tensor_part_reducer = RobustPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            len(self.sender_peer_ids),
+            guard.policy,
+            [guard.allowed.get(name) for name in names],
+            lambda sender, reason, left_out: guard.reject(names[sender], reason, left_out),
+            own=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
+        )
+        # hivemind registers each reducer's result in its container; check it there first, whoever the reducer is
+        container = self.tensor_part_container
+        self._register_unchecked = container.register_processed_part
+        container.register_processed_part = self._register_checked
+
+    def _register_checked(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
+        container = self.tensor_part_container
+        sent = container._input_parts_by_peer[peer_index][part_index][0]  # what we sent that reducer (hivemind 1.1.12)
+        first = sum(container.num_parts_by_peer[:peer_index])  # parts are dealt to reducers in order
+        norms = self.guard.declared_norms(first + part_index, sum(container.num_parts_by_peer))
+        problem = result_problem(part, sent, self.guard.policy, self.guard.weight_ratio, norms)
+        if problem is None:
+            return self._register_unchecked(peer_index, part_index, part)
+        reducer = self.ordered_peer_ids[peer_index].to_base58()
+        self.guard.reject(reducer, f"returned a bad average: {problem}")
+        self.guard.bad_results.append(reducer)
+        if problem.startswith("norm"):
+            excess = result_excess(part, sent, self.guard.policy, self.guard.weight_ratio)
+            if excess < self.guard.policy.result_ban_excess:  # perhaps honest, seen by a peer that just caught up
+                self.guard.only_too_large.add(reducer)  # one strike; more than that far over: banned at once
+        container.register_failed_reducer(peer_index)  # its parts count as lost: the round fails on our side
+        raise AllreduceException(f"reducer {reducer} returned a bad average: {problem}")
+
+
+def _part_norms(value: object) -> list[float]:
+    """A member's declared part norms, if well formed (a list of finite numbers >= 0), else []."""
+    if not isinstance(value, list | tuple) or len(value) > 1 << 20:
+        return []
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in value):
+        return []
+    return [float(v) for v in value]
+
+
+class RoundGuard:
+    """One all-reduce's weight limits (peer id -> tokens) and what it rejected (peer id -> first reason)."""
+
+    def __init__(self, policy: RobustPolicy, allowed: dict[str, float]):
+        self.policy, self.allowed = policy, allowed
+        self.weight_ratio = 1.0  # the group's largest (bounded) weight over ours: how much larger its average may be
+        self.rejected: dict[str, str] = {}
+        self.left_out: set[str] = set()  # senders our reducer left out of the part it averaged (not just clamped)
+        self.bad_results: list[str] = []  # reducers whose averages we refused
+        self.part_norms: list[list[float]] = []  # per member, the norm of each part it declared (run_averaging)
+        # ... of which the averages were finite and well-formed, and under result_ban_excess times too large
+        self.only_too_large: set[str] = set()
+
+    def declared_norms(self, part: int, parts: int) -> list[float] | None:
+        """The norms the members declared for global part ``part`` (of ``parts``), from the members that declared one
+        per part; None when fewer than half of the group did (an earlier version, or hostile data)."""
+        found = [norms[part] for norms in self.part_norms if len(norms) == parts]
+        return found if found and 2 * len(found) >= len(self.part_norms) else None
+
+    def reject(self, peer: str, reason: str, left_out: bool = False) -> None:
+        if left_out:
+            self.left_out.add(peer)
+        if peer not in self.rejected:
+            logger.warning("rejected %s: %s", peer, reason)
+            self.rejected[peer] = reason
+
+
+class GuardedAverager(DilocoAverager):
+    """DilocoAverager with ``GuardedAllReduceRunner`` and membership checks; see the module docstring.
+
+    ``membership``: an object with ``async refusal(peer_id, what) -> str | None`` (None: admitted), or None for an
+    open run. ``policy``: the robust thresholds.
+    """
+
+    def __init__(self, *args: Any, membership: Any = None, policy: RobustPolicy | None = None, **kwargs: Any):
+        self.membership, self.policy = membership, policy or RobustPolicy()
+        self._allowed: dict[str, float] = {}
+        self._banned: set[str] = set()  # reducers that returned a bad average: never grouped with again (this process)
+        self._shunned: frozenset[str] = frozenset()  # peers most of the swarm banned: treated like ours (not named)
+        # rounds in which each reducer returned a bad average: a peer that caught up a moment ago sends a tiny
+        # outer gradient, and an honest average can then look 100x too large to it once; a garbage reducer does
+        # it every round. So a reducer is banned at its second bad round (at once for a non-finite or misshapen
+        # one, or one more than result_ban_excess times over the limit)
+        self._strikes: dict[str, int] = {}
+        # child -> parent, one per all-reduce: its (peer, reason) list and the senders our reducer left out
+        self._rejections = mp.SimpleQueue()
+        self._left_out_here: frozenset[str] = frozenset()  # the parent's copy of the latest all-reduce's left-out
+        self._bans = mp.SimpleQueue()  # child -> parent: each peer id as it is banned
+        self._banned_here: set[str] = set()  # the parent's copy of ``_banned``
+        self._demoted_before: set[str] = set()  # peers we saw demoted already (logged once)
+        kwargs.setdefault("runner_class", GuardedAllReduceRunner)
+        super().__init__(*args, **kwargs)
+
+    def set_allowed_weights(self, allowed: dict[str, float], shunned: frozenset[str] = frozenset()) -> None:
+        """Weight limits (peer id -> tokens its progress supports) for the next all-reduce, and the peers that most
+        of the swarm banned: refused as leaders and joiners like our own banned peers, but not named in our group
+        requests (a groupmate demotes only on its own evidence or that of someone in the group)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_allowed_weights", [], dict(allowed=dict(allowed), shunned=frozenset(shunned), future=future)))
+        future.result(timeout=30)
+
+    async def _set_allowed_weights(self, allowed: dict[str, float], future: MPFuture, shunned: frozenset[str] = frozenset()) -> None:
+        self._allowed, self._shunned = allowed, shunned
+        future.set_result(None)
+
+    def take_rejections(self) -> list[tuple[str, str]]:
+        """Rejections of the all-reduces since the last call (oldest first), as (peer id, reason); the senders the
+        latest of them left out are then ``left_out_senders()``."""
+        found: list[tuple[str, str]] = []
+        while not self._rejections.empty():
+            rejected, left_out = self._rejections.get()
+            found.extend(rejected)
+            self._left_out_here = frozenset(left_out)
+        return found
+
+    def left_out_senders(self) -> frozenset[str]:
+        """(Parent process) the senders whose parts our reducer left out of the latest all-reduce that
+        ``take_rejections`` collected (non-finite, misshapen, far too large, or an unusable weight)."""
+        return self._left_out_here
+
+    def banned_peers(self) -> frozenset[str]:
+        """(Parent process) the peers our averager banned so far, reducers that returned bad averages. The swarm
+        link stops counting them as live (no group waits for them, no round budget includes them), and each
+        group request carries them, so that no group with one of us in it lets them reduce (``demote_reducers``)."""
+        while not self._bans.empty():
+            self._banned_here.add(self._bans.get())
+        return frozenset(self._banned_here)
+
+    def step(self, gather: Any = None, **kwargs: Any) -> Any:
+        if isinstance(gather, dict):
+            gather = {**gather, "banned": sorted(self.banned_peers())}
+        return super().step(gather=gather, **kwargs)
+
+    def _gathered(self, group_info: Any) -> list[dict]:
+        """Each member's own data from its group request (``run_averaging``'s gather), {} where unreadable."""
+        found: list[dict] = []
+        for entry in group_info.gathered:
+            try:
+                user = self.serializer.loads(self.serializer.loads(entry)[2])
+            except Exception:  # hivemind parsed the same bytes before us: only a hostile entry gets here
+                user = None
+            found.append(user if isinstance(user, dict) else {})
+        return found
+
+    def _weight_ratio(self, group_info: Any, gathered: list[dict], guard: RoundGuard) -> float:
+        """The largest weight a groupmate declared (bounded by its published progress) over ours; 1 if unknown."""
+        names = [peer.to_base58() for peer in group_info.peer_ids]
+        own = names.index(self.peer_id.to_base58()) if self.peer_id in group_info.peer_ids else None
+        weights = []
+        for name, data in zip(names, gathered):
+            weight = data.get("weight")
+            if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+                weights.append(0.0)
+                continue
+            limit = guard.allowed.get(name)
+            weights.append(min(float(weight), limit * guard.policy.weight_margin) if limit is not None else float(weight))
+        if own is None or weights[own] <= 0:
+            return 1.0
+        return max(weights) / weights[own]
+
+    def _demote_banned(self, group_info: Any, gathered: list[dict], fractions: Sequence[float]) -> tuple[float, ...]:
+        """The reducer shares of this group once the peers a groupmate banned are given none (robust.py)."""
+        peer_ids = [peer.to_base58() for peer in group_info.peer_ids]
+        bans = [data.get("banned") for data in gathered]
+        demoted_fractions, demoted = demote_reducers(peer_ids, fractions, bans)
+        for peer, accusers in demoted.items():
+            (logger.info if peer not in self._demoted_before else logger.debug)(
+                "%s reduces no part in this group: banned by %s", peer, accusers
+            )
+            self._demoted_before.add(peer)
+        return demoted_fractions
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, group_id=None, **kwargs):
+        guard = RoundGuard(self.policy, dict(self._allowed))
+        gathered = self._gathered(group_info)
+        guard.weight_ratio = self._weight_ratio(group_info, gathered, guard)
+        guard.part_norms = [_part_norms(data.get("part_norms")) for data in gathered]
+        if "peer_fractions" in kwargs:
+            kwargs["peer_fractions"] = self._demote_banned(group_info, gathered, kwargs["peer_fractions"])
+        try:
+            await super()._run_allreduce_inplace_(tensors, group_info, group_id, guard=guard, **kwargs)
+        except PartialRoundError as e:
+            if not guard.bad_results:
+                raise
+            raise PartialRoundError(f"{e}; refused the averages of {', '.join(guard.bad_results)}") from None
+        finally:
+            self._rejections.put((sorted(guard.rejected.items()), sorted(guard.left_out)))
+            for reducer in guard.bad_results:
+                self._strikes[reducer] = self._strikes.get(reducer, 0) + (1 if reducer in guard.only_too_large else 2)
+                if self._strikes[reducer] >= 2 and reducer not in self._banned:
+                    logger.warning("banning %s from our averaging groups: returned bad averages", reducer)
+                    self._banned.add(reducer)
+                    self._bans.put(reducer)
+
+    async def _set_round(self, group_bits: str, target: int | None, future: MPFuture) -> None:
+        self._skip_banned_leaders()
+        await super()._set_round(group_bits, target, future)
+
+    def _skip_banned_leaders(self) -> None:
+        """Never ask a banned peer to lead our group (hivemind's follower side; its redirects go through here too).
+        Banned peers asking to join our group are refused in ``rpc_join_group``."""
+        matchmaking = self._matchmaking
+        if getattr(matchmaking, "_skips_banned", False):
+            return
+        request_join_group = matchmaking._request_join_group
+
+        async def unless_banned(leader: PeerID) -> Any:
+            excluded = leader.to_base58() in self._banned or leader.to_base58() in self._shunned
+            return None if excluded else await request_join_group(leader)
+
+        matchmaking._request_join_group = unless_banned
+        matchmaking._skips_banned = True
+
+    def _step_and_base_of(self, data_for_gather: bytes | None) -> tuple[object, object]:
+        try:
+            user = self.serializer.loads(self.serializer.loads(data_for_gather)[2])
+            return (user.get("outer_step"), user.get("base")) if isinstance(user, dict) else (None, None)
+        except Exception:
+            return None, None
+
+    def _same_outer_step(self, joiner_gather: bytes) -> bool:
+        """Whether a joiner declares the outer step we are averaging and, if we declared one, the same base (the
+        sha256 of the global params its outer gradient was measured from). True while we average none: hivemind
+        decides."""
+        control = getattr(self._matchmaking, "step_control", None)
+        step, base = self._step_and_base_of(control.data_for_gather) if control is not None else (None, None)
+        if step is None:
+            return True
+        joiner_step, joiner_base = self._step_and_base_of(joiner_gather)
+        return joiner_step == step and (base is None or joiner_base == base)
+
+    async def _refused(self, peer: PeerID, what: str, banned_too: bool = True, shunned_too: bool = True) -> bool:
+        if banned_too and peer.to_base58() in self._banned:
+            return True
+        if banned_too and shunned_too and peer.to_base58() in self._shunned:
+            return True
+        if self.membership is None:
+            return False
+        reason = await self.membership.refusal(peer, what)
+        return reason is not None
+
+    # hivemind builds its RPC table from these annotations
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if await self._refused(context.remote_id, "join an averaging group"):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        if not self._same_outer_step(request.gather):
+            # the group key says which outer step a group averages, but a search cancelled late, or a hostile
+            # peer, can come in under our key with another step: the whole group would then fail the round. A
+            # peer at our step on other global params (a fork: another group averaged that step to other bytes)
+            # would mix an outer gradient measured from other params into ours
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        # a banned peer in our group (a groupmate that has not banned it let it in) still sends: its parts are
+        # checked like anyone's, and refusing them would only make every reducer wait for it until its timeout
+        if await self._refused(context.remote_id, "send parts", banned_too=False):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        # a peer most others banned still gets the state from us: if they were wrong, it can catch up and train on
+        # the swarm's params with whoever groups with it (we never saw it misbehave)
+        if await self._refused(context.remote_id, "download the state", shunned_too=False):
+            return  # nothing: the asker moves on to the next donor
+        async for message in super().rpc_download_state(request, context):
+            yield message

@@ -1,0 +1,53 @@
+"""The hivemind this package is written against, and what of it the rest of the package reaches through here.
+
+swarm/ is the only layer that imports hivemind (a test checks it). Several of its modules subclass or reach into
+hivemind's private API, which only this version is known to have; ``check_version`` fails with a clear message
+anywhere else, before a peer joins a swarm (``join_swarm``). Where the private API is used:
+
+- averaging.py: ``AllReduceRunner._communicate_with_peer``, ``_accumulate_parts_streaming``, ``_ban_sender``,
+  ``tensor_part_container`` / ``tensor_part_reducer`` internals; ``DecentralizedAverager._run_allreduce_inplace_``,
+  ``_load_state_from_peers`` (copied with an exclusion list), ``_matchmaking`` (group key and target size),
+  ``_outer_pipe``; ``StepControl`` cancelling (mark, then wake); the codec registry
+  ``compression.serialization._BASE_COMPRESSION_TYPES``.
+- guarded.py: ``TensorPartReducer`` accumulation, ``TensorPartContainer._input_parts_by_peer`` and
+  ``register_processed_part``; ``Matchmaking._request_join_group``; ``rpc_join_group`` / ``rpc_aggregate_part`` /
+  ``rpc_download_state`` overrides.
+- progress.py: ``DHTProtocol.call_store`` / ``call_ping``, ``routing_table``, ``storage``, ``record_validator``,
+  ``node.blacklist`` and the p2p daemon client (pushed records, rejoining).
+- reachability.py, joining.py, membership.py: p2pd flags, ``P2P`` handlers, record validators.
+"""
+
+from __future__ import annotations
+
+import logging
+
+SUPPORTED_VERSION = "1.1.12"
+
+
+def check_version() -> None:
+    """Raise RuntimeError with what to do when the installed hivemind is not the one this package subclasses."""
+    import hivemind
+
+    found = getattr(hivemind, "__version__", "unknown")
+    if found != SUPPORTED_VERSION:
+        raise RuntimeError(f"p2p-diloco needs hivemind=={SUPPORTED_VERSION} (it subclasses hivemind's private averaging "
+                           f"and DHT internals, swarm/hivemind_api.py); found {found}: pip install hivemind=={SUPPORTED_VERSION}")
+
+
+def route_logs(debug: bool) -> None:
+    """Send hivemind's log records through the root logger (one format, one stream); below DEBUG, its warnings only."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")
+    logging.getLogger("hivemind").setLevel(logging.DEBUG if debug else logging.WARNING)
+
+
+def is_libp2p_key(data: bytes) -> bool:
+    """Whether ``data`` is a libp2p private key, as hivemind itself parses an identity file."""
+    from hivemind.p2p import PeerID
+
+    try:
+        PeerID.from_identity(data)
+    except Exception:
+        return False
+    return True

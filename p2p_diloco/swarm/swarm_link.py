@@ -1,0 +1,442 @@
+"""The swarm as one peer sees it: a thin façade over a hivemind DHT and averager, and pure policies.
+
+``SwarmLink`` is what the learner talks to (core/link.py ``Link``). It owns the DHT, the averager and the progress
+beacon (swarm/progress.py), and carries out what core/swarm_view.py decides from the others' records: whom to count,
+when a round is over, how often to publish, which state to take and whom to ban. It averages outer gradients with
+the peers at the same outer step (swarm/averaging.py, swarm/guarded.py) and downloads and verifies state (core/
+verify.py). It does not train, and it holds no policy about what a failed round means: it reports what happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import torch
+from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2p_diloco.core import history
+from p2p_diloco.core.compression import ErrorFeedback, make_codec
+from p2p_diloco.core.config import SwarmConfig
+from p2p_diloco.core.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
+from p2p_diloco.core.outer import state_sha256
+from p2p_diloco.core.swarm_view import ProgressPace, SwarmView
+from p2p_diloco.core.verify import state_problem
+from p2p_diloco.swarm.averaging import WireCodec, part_norms_of, part_values_for, run_averaging
+from p2p_diloco.swarm.guarded import GuardedAllReduceRunner, GuardedAverager
+from p2p_diloco.swarm.joining import SwarmStartError, first_line, join_swarm
+from p2p_diloco.swarm.membership import RunMembership
+from p2p_diloco.swarm.processes import close_dht, kill_if_alive
+from p2p_diloco.swarm.progress import ProgressBeacon, ProgressReader
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmLink:
+    """The learner's connection to the swarm; see the module docstring."""
+
+    runner_class: type[GuardedAllReduceRunner] = GuardedAllReduceRunner  # experiments/adversary.py swaps in its own
+
+    def __init__(
+        self,
+        config: SwarmConfig,
+        template: Sequence[torch.Tensor],
+        state_provider: Callable[[], tuple[dict, Sequence[torch.Tensor]]],
+        fragments: int = 1,
+    ):
+        self.config = config
+        try:
+            membership = RunMembership.from_files(config.swarm_key_file, config.allow_list_file, config.identity_path)
+        except ValueError as e:
+            raise SwarmStartError(str(e)) from None
+        self.dht, self.reachability = join_swarm(config, membership.validators)
+        client = self.reachability.mode == "client"
+        self.peer_id = self.dht.peer_id.to_base58()
+        self._progress_key = f"{config.run_id}.progress"
+        self._fragments = fragments
+        self._template_shapes = [tuple(t.shape) for t in template]  # what one averaging carries (a served average too)
+        logger.info(membership.describe())
+        self.codec = make_codec(config.compression)
+        # one residual per streaming fragment: outer step r carries fragment r % fragments
+        self._error_feedback = [ErrorFeedback(self.codec) for _ in range(fragments)] if config.compression == "int4" else None
+        self._averager: GuardedAverager | None = None
+        # what we know of the others and decide from their records (pure: core/swarm_view.py); a fresh peer breaks
+        # a tie by the word of the peers it was told to join through
+        self.view = SwarmView(self.peer_id, _peer_ids(config.initial_peers), config.progress_period_s, config.idle_period_s)
+        self._pace = ProgressPace(config.progress_period_s, config.idle_period_s, config.progress_ttl_s)
+        self._beacon: ProgressBeacon | None = None
+        self._averaging_in_flight = False
+        # progress records pushed to the peers we know, each read where it landed; a client-mode peer takes no
+        # pushes (nobody can dial it): it reads from the DHT
+        self._push = config.progress_transport == "push"  # a client-mode peer pushes too: it can dial the others
+        self._reader = ProgressReader(self.dht, self._progress_key, self._push and not client)
+        previous_sigint = signal.getsignal(signal.SIGINT)
+        try:
+            self._averager = GuardedAverager(
+                [torch.zeros_like(t) for t in template],  # what one averaging carries (all params, or a fragment)
+                self.dht,
+                wire_codec=WireCodec(self.codec, part_values_for(self.codec, sum(t.numel() for t in template))),
+                state_provider=state_provider,
+                runner_class=self.runner_class,
+                membership=membership.check(self.dht, self._progress_key),
+                prefix=f"{config.run_id}_averaging",
+                start=True,
+                min_matchmaking_time=config.matchmaking_time_s,
+                request_timeout=min(1.0, config.matchmaking_time_s / 2),
+                next_chunk_timeout=config.chunk_timeout_s,
+                allreduce_timeout=config.averaging_timeout_s,
+                client_mode=client,  # reduces no part; hivemind leaves its share to the others
+                allow_state_sharing=not client,
+                # a new outer step re-declares at once (refresh_donor_priority); this only keeps the declaration alive
+                declare_state_period=config.idle_period_s * 2,
+                shutdown_timeout=5,
+            )
+            self._beacon = ProgressBeacon(
+                self.dht,
+                self._progress_key,
+                config.progress_period_s,
+                config.progress_ttl_s,
+                self._read_progress,
+                bootstrap=config.initial_peers,
+                pace=self._next_period,
+                push=self._push,
+            )
+            if client:
+                self._beacon.update(client=True)  # others know this peer can't reduce: see average()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            signal.signal(signal.SIGINT, previous_sigint)
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(addr) for addr in self.dht.get_visible_maddrs()]
+
+    # progress records -----------------------------------------------------------------------------
+
+    def publish(self, **fields: object) -> None:
+        """Set fields of this peer's progress record (ProgressBeacon.set); a new outer step goes out at once, and
+        makes this peer a donor of that step."""
+        assert self._beacon is not None
+        self._beacon.set(**fields)
+        if "outer_step" in fields:
+            self._beacon.publish_now()
+            self.refresh_donor_priority(int(fields["outer_step"]), str(fields.get("global_sha256", "")))
+
+    def refresh_donor_priority(self, outer_step: int, global_sha256: str) -> None:
+        """Donors are tried highest priority first: the furthest outer step. (A priority is anyone's word: a
+        downloader checks the state it gets against the one it chose, and asks the next donor if it differs.)"""
+        assert self._averager is not None
+        if self.reachability.mode == "client":
+            return  # a client serves no state
+        self._averager.state_sharing_priority = float(outer_step)
+
+    def reported_sha256(self, outer_step: int) -> dict[str, str]:
+        """The state sha256 each live peer reports for ``outer_step``, by peer id."""
+        return history.reported_sha256(self.live_peers(), outer_step)
+
+    def swarm_target(self, chain: Sequence[history.Node], fresh: bool) -> history.Target | None:
+        """The state this peer should take, by what the live peers vouch for (SwarmView.target)."""
+        banned = self.view.history_banned
+        target = self.view.target(self._all_progress(), chain, fresh)
+        if self.view.history_banned != banned:
+            self._publish_bans()
+        return target
+
+    def refuse_donor(self, donor: str, reason: str) -> None:
+        """A state the learner could not verify (SwarmView.refuse_donor)."""
+        banned = self.view.history_banned
+        self.view.refuse_donor(donor, reason)
+        if self.view.history_banned != banned:
+            self._publish_bans()
+
+    def _publish_bans(self) -> None:
+        if self._beacon is not None:  # the others take our word for it once most of them agree
+            self._beacon.update(banned=self.view.bans())
+
+    def live_peers(self) -> dict[str, dict]:
+        """Progress records of the other peers whose record has not expired, who have not said they left and whom
+        we count (SwarmView.live)."""
+        return self.view.live(self._all_progress())
+
+    def _all_progress(self) -> dict[str, dict]:
+        """The other peers' unexpired progress records, banned peers' included; the beacon's last read if the DHT
+        does not answer."""
+        try:  # bounded: a DHT process that died (or a p2pd that did) must not hang the training loop
+            return self._reader()
+        except Exception as e:
+            logger.debug("reading progress records failed: %r", e)
+            return dict(self._beacon.peers) if self._beacon is not None else {}
+
+    def progress_records(self) -> dict[str, dict]:
+        """This peer's progress record and the others' as of the beacon's last read (no DHT access: for watchers)."""
+        beacon = self._beacon
+        if beacon is None:
+            return {}
+        return {self.peer_id: beacon.own_record(), **beacon.peers}
+
+    def peers_behind(self, outer_step: int) -> int:
+        """Live peers whose last progress record is at an earlier outer step (as of the beacon's last read)."""
+        beacon = self._beacon
+        if beacon is None:
+            return 0
+        return sum(int(r.get("outer_step", -1)) < outer_step for r in list(beacon.peers.values()))
+
+    # averaging ------------------------------------------------------------------------------------
+
+    def average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
+        """Average with the live peers of this outer step; alone in the swarm, the group is just us.
+
+        Peers that are alive but behind are waited for (they catch up by downloading state and join this
+        outer step), so that a fast peer never runs off on its own while others are there.
+        """
+        self._averaging_in_flight = True  # progress records go fast meanwhile (ProgressPace)
+        if self._beacon is not None:
+            self._beacon.wake()
+        try:
+            return self._average(tensors, weight, outer_step)
+        finally:
+            self._averaging_in_flight = False
+
+    def _average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
+        residual, feedback = None, None
+        if self._error_feedback is not None:
+            feedback = self._error_feedback[outer_step % len(self._error_feedback)]
+            tensors, residual = feedback.prepare(list(tensors))
+        live = self._read_progress()
+        if self.reachability.mode == "client" and all(r.get("client") for r in live.values()):
+            # a client can only send to reducers. Among clients alone (or when the DHT, whose records only
+            # reachable peers hold, answers nobody) no group can form, and each client stepping alone would
+            # fork the swarm. The progress stays local and flows into a later round
+            outcome = AveragingOutcome(None, (), 0.0, "no_group", "no peer that can reduce is alive")
+        elif live:
+            outcome = self._average_with(live, tensors, weight, outer_step)
+            if self.reachability.mode == "client" and outcome.averaged is not None and len(outcome.peers) < 2:
+                # hivemind gives a client that found no reducer a group of itself; two clients doing that at
+                # once would fork the swarm. Only a group with a reducer in it counts for a client
+                outcome = AveragingOutcome(None, (), 0.0, "no_group", "no peer that reduces joined this client's group")
+        elif self._beacon is not None and self._beacon.peers:
+            # the DHT answered "nobody" while the beacon's last view had peers: a DHT that is reconnecting (after a
+            # freeze, say), not an empty swarm. Averaging alone now would race ahead of the others on its own
+            # outer steps, one instant round after another; fail this round instead (the progress is kept)
+            outcome = AveragingOutcome(None, (), 0.0, "no_group", "the swarm's progress records could not be read")
+        else:
+            outcome = self.average_alone(tensors, weight)
+        if feedback is not None and residual is not None and outcome.averaged is not None:
+            feedback.commit(residual)
+        return outcome
+
+    def _average_with(self, live: dict[str, dict], tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
+        """One averaging with the live peers; each sender's weight is bounded by the tokens it published for the
+        round (two rounds per fragment: a failed round's progress flows into the next), and what the reducers
+        rejected comes back in the outcome."""
+        assert self._averager is not None
+        try:
+            self._averager.take_rejections()  # left over from an abandoned attempt
+            self._averager.set_allowed_weights(self.view.ledger.allowed(outer_step, rounds=2 * self._fragments),
+                                               self.view.shunned | self.view.history_banned)
+        except Exception as e:  # the averager process is gone or stuck: run_averaging reports it
+            logger.debug("could not pass the weight limits to the averager: %r", e)
+        base = self._base()
+        outcome = run_averaging(
+            self._averager, tensors, weight, outer_step, self.config.averaging_timeout_s, 1 + len(live),
+            lambda: self._moved_past(outer_step), base=str(base) if base else None,
+            part_norms=part_norms_of(tensors, self._averager.wire_codec.part_values),
+        )
+        rejected = tuple(self._averager.take_rejections())
+        if outcome.averaged is not None:
+            self.view.participants = self.view.participants | set(outcome.peers)
+        banned = self._averager.banned_peers()
+        if banned != self.view.banned:
+            self.view.banned = banned
+            self._publish_bans()
+        self.view.left_out = self._averager.left_out_senders()
+        return dataclasses.replace(outcome, rejected=rejected) if rejected else outcome
+
+    def _base(self) -> str | None:
+        """The sha256 of the state our outer gradient was measured from: the one we last published."""
+        beacon = self._beacon
+        return beacon.own_record().get("global_sha256") if beacon is not None else None
+
+    def _read_progress(self) -> dict[str, dict]:
+        """The live peers' progress records, with the tokens each published noted (SwarmView.observe)."""
+        return self.view.observe(self._all_progress(), get_dht_time())
+
+    def _moved_past(self, outer_step: int) -> bool:
+        """A group for ``outer_step`` will not form any more (SwarmView.moved_past); closing: abandon it."""
+        beacon = self._beacon
+        if beacon is None:
+            return True
+        return self.view.moved_past(dict(beacon.peers), beacon.own_record(), outer_step)
+
+    def average_async(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> Future:
+        """Start averaging in a background thread and return at once; the future holds the outcome."""
+        future: Future = Future()
+        tensors = [t.detach().clone() for t in tensors]
+
+        def work() -> None:
+            try:
+                future.set_result(self.average(tensors, weight, outer_step))
+            except Exception as e:  # a bug, not a network failure: report it as a failed round, loudly
+                logger.exception("averaging crashed")
+                future.set_result(AveragingOutcome(None, (), 0.0, "error", f"{type(e).__name__}: {e}"))
+
+        threading.Thread(target=work, name=f"averaging-{outer_step}", daemon=True).start()
+        return future
+
+    def round_view(self, round_index: int) -> RoundView:
+        """The others' progress in ``round_index``, as of the beacon's last read (SwarmView.round_view)."""
+        assert self._beacon is not None
+        return self.view.round_view(dict(self._beacon.peers), round_index, get_dht_time())
+
+    def _next_period(self) -> float:
+        """The beacon's next period (ProgressPace), which also bounds how far records are extrapolated."""
+        beacon = self._beacon
+        if beacon is None:
+            return self.config.progress_period_s
+        period = self._pace.next_period(beacon.own_record(), dict(beacon.peers), self._averaging_in_flight,
+                                        time.monotonic(), get_dht_time())
+        self.view.period_now_s = period
+        return period
+
+    def average_alone(self, tensors: Sequence[torch.Tensor], weight: float) -> AveragingOutcome:
+        # a group of one still goes through the codec, exactly as its own reducer would encode the result
+        return AveragingOutcome(codec_round_trip(self.codec, tensors), (self.peer_id,), weight, "ok")
+
+    def traffic(self) -> tuple[int, int]:
+        assert self._averager is not None
+        return self._averager.traffic.totals()
+
+    # state download -------------------------------------------------------------------------------
+
+    def download_state(self, shapes: Sequence[Sequence[int]], target: history.Target) -> SwarmState | None:
+        """Download ``target``'s state from a donor that holds it and verify it whole (verify.state_problem) and
+        against ``target``'s sha256. A donor that serves anything else is refused and the next one asked; once every
+        donor was asked, the target is chosen again from fresh records (the swarm may have moved on). Returns None if
+        no donor gave a verifiable state within ``state_timeout_s``."""
+        assert self._averager is not None
+        deadline = time.monotonic() + self.config.state_timeout_s
+        refused: set[str] = set()  # donors whose state failed verification: the next one in priority is asked
+        reasons: dict[str, str] = {}  # every donor refused during this download, and why (for the metrics)
+        while time.monotonic() < deadline:
+            remaining = deadline - time.monotonic()
+            try:
+                loaded = self._averager.load_state_excluding(timeout=remaining, exclude=sorted(refused))
+            except Exception as e:
+                logger.warning("state download failed: %s", first_line(e))
+                loaded = None
+            if loaded is None:
+                refused.clear()  # nobody else had it: give everyone another chance, for what the swarm holds now
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                target = self._retarget(target)
+                if target is None:
+                    return None
+                continue
+            metadata, tensors, donor = loaded
+            state = self._verified_state(metadata, tensors, shapes, donor, target)
+            if isinstance(state, SwarmState):
+                self.view.participants = self.view.participants.union(*state.round_history.values())
+                return dataclasses.replace(state, refused_donors=tuple(sorted(reasons.items())))
+            logger.warning("donor %s: %s; asking another donor", donor, state)
+            refused.add(donor)
+            reasons.setdefault(donor, state)
+        return None
+
+    def _retarget(self, target: history.Target) -> history.Target | None:
+        """What to download now, for the chain we published and the freshness ``target`` implies."""
+        beacon = self._beacon
+        chain = history.chain_of(beacon.own_record()) if beacon is not None else ()
+        if not chain:
+            return target
+        return self.swarm_target(chain, fresh=target.how == "fresh")
+
+    def _verified_state(
+        self, metadata: object, tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], donor: str,
+        target: history.Target,
+    ) -> SwarmState | str:
+        """The donor's state if it is whole (verify.state_problem) and hashes to ``target``'s sha256 at its outer step,
+        otherwise why not."""
+        count = len(shapes)
+        if not isinstance(metadata, dict) or len(tensors) not in (2 * count, 2 * count + len(self._template_shapes)):
+            return "malformed state"
+        params, momentum = list(tensors[:count]), list(tensors[count : 2 * count])
+        problem = state_problem(metadata, params, momentum, shapes)
+        if problem is not None:
+            return problem
+        digest = state_sha256(params, momentum)
+        if (metadata["outer_step"], digest) != target.node or digest != metadata.get("global_sha256"):
+            return f"its state is not outer step {target.step} with the sha256 the swarm vouches for ({target.how})"
+        average = list(tensors[2 * count :]) or None
+        if average is not None and [tuple(t.shape) for t in average] != self._template_shapes:
+            average = None  # not an average of ours: the state stands, no next step can be recomputed from it
+        parent = metadata.get("parent_sha256")
+        chain = history.chain_of(dict(outer_step=metadata["outer_step"], global_sha256=digest, recent=metadata.get("recent")))
+        return SwarmState(
+            outer_step=metadata["outer_step"],
+            global_params=params,
+            momentum=momentum,
+            outer_steps_taken=metadata["outer_steps_taken"],
+            steps_into_round=metadata["steps_into_round"],
+            global_sha256=digest,
+            donor=donor,
+            round_history=_parse_history(metadata.get("round_history")),
+            chain=chain,
+            parent_sha256=parent if isinstance(parent, str) else None,
+            last_average=[t.float() for t in average] if average is not None else None,
+            how=target.how,
+        )
+
+    def close(self) -> None:
+        """Leave the swarm: say so in the progress record, stop publishing, shut the averager and the DHT (and
+        its p2pd) down."""
+        if self._beacon is not None:
+            self._beacon.leave()
+            self._beacon = None
+        if self._averager is not None:
+            if self._averager.is_alive():
+                self._averager.shutdown()
+            kill_if_alive(self._averager)
+            self._averager = None
+        if self.dht is not None:
+            close_dht(self.dht)
+            self.dht = None
+
+
+def _peer_ids(addresses: Sequence[str]) -> list[str]:
+    """The peer ids in multiaddrs' /p2p/ parts (malformed ones skipped)."""
+    found = []
+    for address in addresses:
+        try:
+            found.append(str(Multiaddr(address)["p2p"]))
+        except Exception:
+            continue
+    return found
+
+
+def _parse_history(value: object) -> dict[int, tuple[str, ...]]:
+    """A donor's round history, keeping only well-formed entries (it is a hint, never trusted for bytes)."""
+    history: dict[int, tuple[str, ...]] = {}
+    if isinstance(value, dict):
+        for step, peers in value.items():
+            if isinstance(step, int | str) and str(step).isdigit() and isinstance(peers, list | tuple):
+                history[int(step)] = tuple(str(p) for p in peers)
+    return history
+
+
+def check_multiaddr(text: str, need_peer_id: bool) -> str:
+    """Return ``text`` if it is a valid multiaddr (with a /p2p/ peer id if asked); raise ValueError otherwise."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        protocols = [p.name for p in Multiaddr(text).protocols()]
+    except Exception as e:
+        raise ValueError(f"bad multiaddr {text!r}: {first_line(e)}") from None
+    if need_peer_id and "p2p" not in protocols:
+        raise ValueError(f"initial peer {text!r} lacks its /p2p/<peer id> part (copy the whole address a peer printed)")
+    return text

@@ -1,0 +1,146 @@
+"""Catching up with the swarm: take the state it vouches for (core/history.py), if it is not ours, and rebase this
+peer's local progress onto it (docs/design.md §4). A part of the learner (train/learner.py), kept apart so that the
+loop reads like the algorithm: the loop calls ``catch_up`` at a round's end and after a failed round.
+
+- a state ahead of ours, or other bytes at our step (a fork), or a history most of the swarm holds, is downloaded
+  verified by the link (core/verify.py ``state_problem`` and its sha256);
+- a next step that no majority backs (a swarm of two) is taken only if this peer recomputes it from its own state and
+  the average its donor serves, and that average passes a reducer result's checks (``next_step_problem``);
+- a fork at a step this peer's own group made is said in one line (its arithmetic differs: docs/design.md §5);
+- a failed averaging that the swarm applied after all (the donor's round history names us) is not counted twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+from p2p_diloco.core.history import CHAIN
+from p2p_diloco.core.link import AveragingOutcome, Link, SwarmState
+from p2p_diloco.core.verify import next_step_problem
+
+if TYPE_CHECKING:
+    from p2p_diloco.train.learner import Learner, PendingAveraging
+
+logger = logging.getLogger(__name__)
+
+
+def catch_up(learner: Learner, link: Link) -> bool:
+    """Take the state the swarm vouches for (history.py), if it is not ours: ahead of us, other bytes at our step
+    (a fork), or, for a partition's smaller side, another history; download it verified, and rebase our local
+    progress onto it. A next step that no majority backs is taken only if we recompute it ourselves."""
+    if learner.pending is not None:
+        return False  # never while our own averaging is in flight: its result is still to be applied
+    target = link.swarm_target(list(learner.chain), learner.fresh)
+    if target is None:
+        return False
+    if target.how == "next" and (learner.unconfirmed is None or learner.unconfirmed.outer_step != learner.outer_step):
+        return False  # nothing of ours to check the donor's average against: wait for a majority
+    if target.step == learner.outer_step:
+        _note_arithmetic_mismatch(learner, link)
+    started = time.monotonic()
+    state = link.download_state([tuple(p.shape) for p in learner.global_params], target)
+    learner.add_blocked(time.monotonic() - started)
+    if state is None or (state.outer_step, state.global_sha256) == learner.chain[-1]:
+        logger.warning("the swarm holds outer step %d (%s); no verified state could be downloaded", target.step, target.how)
+        return False
+    if state.how == "next":  # the target may have changed while downloading: check what was downloaded
+        problem = _next_step_problem(learner, state) if learner.unconfirmed is not None else "nothing of ours to check it by"
+        if problem is not None:
+            logger.warning("refused the next step served by %s: %s", state.donor, problem)
+            link.refuse_donor(state.donor, problem)
+            return False
+    before = learner.outer_step
+    forked = state.outer_step <= before  # other bytes at our step, or a history most of the swarm holds
+    _take_state(learner, state, link.peer_id)
+    learner.catch_ups += 1
+    learner.forks_healed += int(forked)
+    what = ("took the history most of the swarm holds, back at" if state.outer_step < before else
+            "healed a fork at" if forked else "caught up to")
+    logger.info("%s outer step %d in %.2f s (%s)", what, learner.outer_step, time.monotonic() - started, target.how)
+    learner.publish_step(link)
+    status = "fork_healed" if forked else "caught_up"
+    learner.write(link, AveragingOutcome(None, (), 0.0, status, f"downloaded from {state.donor} ({target.how})",
+                                       state.refused_donors))
+    learner.checkpoints.save(learner)  # a restart after this resumes here, not from before the download
+    return True
+
+
+def _next_step_problem(learner: Learner, state: SwarmState) -> str | None:
+    """Why we cannot take ``state`` as the step after ours: recomputed from our own state and the average its donor
+    serves, it must give its bytes, and that average must pass a reducer result's checks against the outer
+    gradient we sent for that step (verify.py)."""
+    pending = learner.unconfirmed
+    assert pending is not None
+    sent = [segment.of(learner.global_params) - snapshot.cpu() for segment, snapshot in zip(pending.segments, pending.snapshot)]
+    averaged = learner.unpack(state.last_average, pending.segments) if state.last_average is not None else None
+    return next_step_problem(state, learner.outer_step, learner.global_params, learner.outer.momentum_buffers,
+                             learner.outer.steps_taken, learner.global_sha256, learner.config.outer, pending.segments,
+                             averaged, sent)
+
+
+def _take_state(learner: Learner, state: SwarmState, peer_id: str) -> None:
+    """Replace our global state by a verified ``state`` and rebase our local progress onto it."""
+    applied = _unconfirmed_was_applied(learner, state, peer_id)
+    local = learner.island.local_params()
+    with torch.no_grad(), learner.state_lock:
+        if applied is not None:  # that fragment's progress up to the snapshot is in the new global already
+            for segment, snapshot in zip(applied.segments, applied.snapshot):
+                piece = segment.of(local)
+                piece.add_((segment.of(learner.global_params) - snapshot.cpu()).to(piece.device))
+            learner.unsynced_by_fragment[applied.fragment] -= applied.tokens_behind
+        for param, old, new in zip(local, learner.global_params, state.global_params):
+            param.add_((new - old).to(param.device))  # local_params <- new_global + (local_params - old_global)
+            old.copy_(new)
+        learner.outer.load_state(state.momentum, state.outer_steps_taken)
+        learner.outer_step, learner.global_sha256 = state.outer_step, state.global_sha256
+        learner.chain = deque(state.chain or [(state.outer_step, state.global_sha256)], maxlen=CHAIN)
+        learner.parent_sha256, learner.last_average = state.parent_sha256, state.last_average
+        for step, peers in state.round_history.items():
+            learner.round_history.setdefault(step, peers)
+        learner.trim_history()
+    learner.unconfirmed = None
+
+
+def _note_arithmetic_mismatch(learner: Learner, link: Link) -> None:
+    """Say so, once per outer step, when the swarm holds other bytes for a step that this peer's own group made.
+
+    Every member of a group declared the same state before the step (the base of its group request) and got
+    the same averaged bytes back (averaging.py), so a member whose state after it differs from its groupmates'
+    computed the step differently: a kernel that breaks the portable arithmetic (docs/design.md §5), or a
+    machine that miscomputes. The fork heals by download all the same; this says why it happened."""
+    step = learner.outer_step
+    groupmates = set(learner.round_history.get(step - 1, ())) - {link.peer_id}
+    if not groupmates or step in learner.arithmetic_mismatches:
+        return
+    reported = {peer: sha for peer, sha in link.reported_sha256(step).items() if peer in groupmates}
+    others = sorted({sha for sha in reported.values() if sha != learner.global_sha256})
+    if not others:
+        return
+    learner.arithmetic_mismatches.append(step)
+    differ = sum(sha != learner.global_sha256 for sha in reported.values())
+    logger.warning(
+        "this peer's hardware computed outer step %d differently from %d of %d groupmates (ours %s, theirs %s): "
+        "same inputs, other bytes; taking the swarm's state", step, differ, len(reported), learner.global_sha256[:12],
+        ", ".join(sha[:12] for sha in others),
+    )
+
+
+def _unconfirmed_was_applied(learner: Learner, state: SwarmState, peer_id: str) -> PendingAveraging | None:
+    """The failed averaging whose outer gradient the swarm applied after all, per the donor's history.
+
+    Without this, a peer whose all-reduce was partial on its side only would carry its progress into the
+    next round and have it counted twice. With no history for that step, the progress is carried (the
+    round most likely failed for everyone).
+    """
+    pending = learner.unconfirmed
+    if pending is None or state.outer_step <= pending.outer_step:
+        return None
+    if peer_id in state.round_history.get(pending.outer_step, ()):
+        logger.info("outer step %d: the swarm applied our outer gradient although our side failed", pending.outer_step)
+        return pending
+    return None
