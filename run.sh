@@ -13,12 +13,12 @@ setup() {
         "$PYTHON" -m venv .venv
     fi
     # the Hugging Face packages are only looked for, not imported: importing them takes seconds
-    if ! .venv/bin/python -c "import p2p_diloco, hivemind, bitsandbytes, rich, tensorboard, pytest, pytest_timeout, hypothesis, playwright
+    if ! .venv/bin/python -c "import p2p_diloco, hivemind, bitsandbytes, rich, pytest, pytest_timeout, hypothesis, playwright
 import sys; from importlib.util import find_spec
-sys.exit(not all(find_spec(name) for name in ('transformers', 'datasets', 'tokenizers', 'pyarrow')))" 2>/dev/null; then
+sys.exit(not all(find_spec(name) for name in ('transformers', 'datasets', 'tokenizers', 'pyarrow', 'tensorboard', 'matplotlib')))" 2>/dev/null; then
         .venv/bin/python -m pip install --quiet --upgrade pip
         .venv/bin/python -m pip install --quiet "torch==2.13.0"
-        .venv/bin/python -m pip install --quiet -e ".[dev]"
+        .venv/bin/python -m pip install --quiet -e ".[dev,all]"  # every optional extra: the tests use them all
     fi
 }
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from experiments.adversary_peer import PATH as ADVERSARY_PEER
-from p2p_diloco.cli.launch import LocalSwarm, wait_for_address
+from p2p_diloco.cli.peer_processes import LocalSwarm, wait_for_address
 from p2p_diloco.core import checkpoint
 from p2p_diloco.observe.report import check_invariant_1, read_metrics
 

@@ -154,7 +154,8 @@ class SyncDataParallel:
 
     def __init__(self, config: PeerConfig, baseline: BaselineConfig, dht: Any, limits: Limits):
         from p2p_diloco.core.compression import make_codec
-        from p2p_diloco.swarm.averaging import DilocoAverager, WireCodec, part_values_for
+        from p2p_diloco.swarm.averaging import DilocoAverager
+        from p2p_diloco.swarm.wire import WireCodec, part_values_for
 
         self.model = build_model(config.model, config.run.seed)  # same seed everywhere: identical start bytes
         self.params = list(self.model.parameters())

@@ -39,15 +39,10 @@ from experiments.baseline_methods import (
     StepTimes,
     SyncDataParallel,
 )
-from p2p_diloco.cli.peer import (
-    OneLineParser,
-    add_peer_flags,
-    configure_logging,
-    fail,
-    open_process_inputs,
-    resolve_config,
-)
-from p2p_diloco.core.config import PeerConfig, load_toml
+from p2p_diloco.cli.flags import OneLineParser, add_peer_flags, resolve_config
+from p2p_diloco.cli.peer import configure_logging, fail, open_process_inputs
+from p2p_diloco.core.config import PeerConfig
+from p2p_diloco.core.config_load import load_toml
 from p2p_diloco.observe.metrics import MetricsSink
 from p2p_diloco.train.data import Dataset
 from p2p_diloco.train.model import count_parameters

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.wan import Wan, WanError
-from p2p_diloco.cli.launch import PeerProcess, start_peer, wait_for_address
+from p2p_diloco.cli.peer_processes import PeerProcess, start_peer, wait_for_address
 from p2p_diloco.observe.report import read_metrics
 
 METHODS = ("diloco-int8", "diloco-int4", "syncdp", "hivemind-opt", "bare", "alone")
@@ -317,8 +317,9 @@ _OWN_FLAGS = {"--out", "--quick", "--peers", "--bandwidth-mbit", "--methods", "-
 
 def main(argv: list[str] | None = None, prog: str = "bench.py") -> int:
     from experiments.wan import unavailable_reason
+    from p2p_diloco.cli.flags import OneLineParser, add_peer_flags, resolve_config
     from p2p_diloco.cli.launch import peer_args_without
-    from p2p_diloco.cli.peer import OneLineParser, add_peer_flags, fail, resolve_config
+    from p2p_diloco.cli.peer import fail
 
     parser = OneLineParser(prog=prog, description="p2p-diloco against synchronous data parallel, hivemind.Optimizer "
                             "and a bare PyTorch loop, on the same model, data, seeds and emulated links (needs root).")

@@ -93,7 +93,7 @@ def screenshot_main(argv: list[str] | None = None) -> int:
 
 
 def _screenshot_local_swarm(args: argparse.Namespace, peer_flags: list[str]) -> int:
-    from p2p_diloco.cli.launch import LocalSwarm
+    from p2p_diloco.cli.peer_processes import LocalSwarm
 
     port = free_port()
     flags = ["--run-id", "monitor-demo", "--max-time-s", str(args.duration_s + 60), *peer_flags]

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from p2p_diloco.cli.launch import PeerProcess, start_peer, wait_for_address
+from p2p_diloco.cli.peer_processes import PeerProcess, start_peer, wait_for_address
 from p2p_diloco.core import checkpoint
 from p2p_diloco.observe.report import check_invariant_1, read_metrics, split_lives
 
@@ -323,7 +323,7 @@ def write_result(out_dir: Path, result: dict[str, Any]) -> Path:
 def main(argv: list[str] | None = None, prog: str = "chaos.py") -> int:
     import sys
 
-    from p2p_diloco.cli.peer import OneLineParser, add_peer_flags, resolve_config
+    from p2p_diloco.cli.flags import OneLineParser, add_peer_flags, resolve_config
 
     parser = OneLineParser(prog=prog, description="Kill and freeze peers of a local swarm on a schedule, restart them, "
                             "and compare with a calm swarm; writes OUT/chaos.json and OUT/chaos.png.")

@@ -151,7 +151,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "dht_traffic.py") -> int:
-    from p2p_diloco.cli.peer import OneLineParser
+    from p2p_diloco.cli.flags import OneLineParser
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--member"]:

@@ -39,8 +39,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from p2p_diloco.cli.flags import OneLineParser, add_peer_flags, resolve_config
 from p2p_diloco.cli.launch import SWARM_FLAGS, peer_args_without, run_swarm
-from p2p_diloco.cli.peer import OneLineParser, add_peer_flags, resolve_config
 
 logger = logging.getLogger(__name__)
 

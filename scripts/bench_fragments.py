@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a clone without installing
 
-from p2p_diloco.cli.launch import run_to_end  # noqa: E402
+from p2p_diloco.cli.peer_processes import run_to_end  # noqa: E402
 
 
 def loss_by_swarm_tokens(records: dict[str, list[dict]]) -> list[tuple[int, float]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a clone without installing
 
-from p2p_diloco.cli.launch import run_to_end  # noqa: E402
+from p2p_diloco.cli.peer_processes import run_to_end  # noqa: E402
 
 
 def run_swarm(out_dir: Path, throttles: list[float], duration_s: float, flags: list[str]) -> dict:

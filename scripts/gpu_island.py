@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a clone without installing
 
-from p2p_diloco.cli.launch import LocalSwarm  # noqa: E402
+from p2p_diloco.cli.peer_processes import LocalSwarm  # noqa: E402
 from p2p_diloco.observe.report import build_report, invariant_1_status  # noqa: E402
 
 BYTES_SCRIPT = Path(__file__).resolve().parent / "portable_bytes.py"

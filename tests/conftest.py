@@ -14,6 +14,14 @@ import pytest
 
 _PR_SET_CHILD_SUBREAPER = 36
 
+try:  # no test asserts on time: a first example that warms a cache may take seconds on a loaded 2-core machine
+    from hypothesis import settings
+
+    settings.register_profile("p2p-diloco", deadline=None)
+    settings.load_profile("p2p-diloco")
+except ImportError:  # hypothesis is a dev extra; only test_fuzz needs it
+    pass
+
 
 def pytest_configure(config: pytest.Config) -> None:
     try:

@@ -45,8 +45,8 @@ def monitor_main(argv: list[str] | None = None, prog: str = "monitor.py") -> int
 
 
 def _check_monitor_args(config: SwarmConfig, port: int, period_s: float) -> None:
+    from p2p_diloco.swarm.joining import check_multiaddr
     from p2p_diloco.swarm.membership import RunMembership
-    from p2p_diloco.swarm.swarm_link import check_multiaddr
 
     for address in config.initial_peers:
         check_multiaddr(address, need_peer_id=True)

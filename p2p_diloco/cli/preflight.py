@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from p2p_diloco.core import checkpoint
+from p2p_diloco.core import checkpoint, extras
 from p2p_diloco.core.config import ModelConfig, PeerConfig
 
 _MAX_IDENTITY_BYTES = 1 << 16  # a libp2p RSA private key is about 1.2 KB
@@ -39,7 +39,12 @@ def check_local_inputs(config: PeerConfig) -> None:
         if not Path(config.run.ready_file).parent.is_dir():
             raise ValueError(f"ready file {config.run.ready_file} cannot be written: its folder does not exist")
     if config.run.tensorboard_dir:
+        extras.require("tensorboard", "--tensorboard")
         check_tensorboard_dir(Path(config.run.tensorboard_dir))
+    if config.model.transformers_model:
+        extras.require("hf", "--model-config" if config.model.hf_config else "--init-from")
+    if config.data.dataset:
+        extras.require("hf", "--dataset")
     check_model_and_data(config)
 
 

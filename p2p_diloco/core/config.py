@@ -1,32 +1,30 @@
-"""Configuration: one frozen dataclass per concern, each field documented with its unit.
+"""Configuration: one frozen dataclass per concern; each field is declared once, with its help text.
 
-Precedence is defaults -> TOML config file -> command-line flags (the CLI applies the last two).
-Every section validates itself in ``__post_init__`` and raises ``ValueError`` saying how to fix it.
-This module knows nothing of torch or hivemind.
+``knob`` puts a field's help (and, where the flag is not ``--field-name``, its flag) in the field's metadata; the
+command line (cli/flags.py), the TOML file (core/config_load.py) and ``--help`` are all generated from here. The
+examples in ``peers/*.toml`` show the file form. Precedence is defaults -> TOML config file -> command-line flags.
+Every section validates itself in ``__post_init__`` and raises ``ValueError`` saying how to fix it. This module knows
+nothing of torch or hivemind.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import tomllib
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 COMPRESSIONS = ("none", "fp16", "int8", "int4")
-REACHABILITY = ("auto", "direct", "relay", "client")  # how a peer takes part; see p2p_diloco/reachability.py
-PROGRESS_TRANSPORTS = ("push", "dht")  # how progress records travel; see ProgressBeacon in p2p_diloco/swarm.py
-ISLAND_SHARDINGS = ("ddp", "fsdp")  # how the ranks of a torchrun island hold the model; see p2p_diloco/island.py
+REACHABILITY = ("auto", "direct", "relay", "client")  # how a peer takes part; see swarm/reachability.py
+PROGRESS_TRANSPORTS = ("push", "dht")  # how progress records travel; see swarm/progress.py
+ISLAND_SHARDINGS = ("ddp", "fsdp")  # how the ranks of a torchrun island hold the model; see train/island.py
 PRECISIONS = ("auto", "fp32", "bf16")  # of the inner steps' forward and backward; see Island.autocast
-
-
-# Bounds on any value from a file or a flag: larger numbers are typos, and overflow the int64, float timer and
-# msgpack fields they end up in (e.g. threading's TIMEOUT_MAX is ~9.2e9 s) somewhere deep inside a running peer.
-_MAX_NUMBER = 2**53
-_MAX_SECONDS = 1e8  # about 3 years: bound on every *_s duration
 _YEAR_2100_UNIX = 4_102_444_800.0
-_MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; this bounds what a wrong path (/dev/zero) reads
+
+
+def knob(default: Any, help: str, *, flag: str | None = None, metavar: str | None = None,
+         choices: tuple[str, ...] | None = None) -> Any:
+    """A config field: its default and its one description, from which its flag and ``--help`` line are made."""
+    return field(default=default, metadata={"help": help, "flag": flag, "metavar": metavar, "choices": choices})
 
 
 def _require(condition: bool, message: str) -> None:
@@ -34,23 +32,30 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     """A value for an error message: its repr, cut short so that the message stays one readable line."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _one_of(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, f"{section}.{name} must be one of {', '.join(allowed)}, got {show(value)}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model: the built-in GPT-style decoder (the fields below), or a Hugging Face transformers causal LM."""
+    """The model: the built-in GPT-style decoder, or a Hugging Face transformers causal LM."""
 
-    vocab_size: int = 256  # tokens of the built-in model; 256 = raw bytes (>= the tokenizer's vocabulary)
-    n_layers: int = 4  # transformer blocks
-    d_model: int = 128  # residual stream width
-    n_heads: int = 4  # attention heads; must divide d_model
-    seq_len: int = 128  # context length in tokens (also for a transformers model)
-    hf_config: str | None = None  # a transformers config.json: that causal LM, trained from a seeded init
-    init_from: str | None = None  # a folder written by transformers' save_pretrained: that causal LM and its weights
+    vocab_size: int = knob(256, "token embeddings of the built-in model; must cover the tokenizer's vocabulary (256: bytes)")
+    n_layers: int = knob(4, "transformer blocks of the built-in model")
+    d_model: int = knob(128, "residual stream width of the built-in model")
+    n_heads: int = knob(4, "attention heads of the built-in model; must divide d_model")
+    seq_len: int = knob(128, "context length in tokens (also of a transformers model)")
+    hf_config: str | None = knob(None, "train the transformers causal LM this local config.json describes, from a seeded "
+                                 "init that is the same on every peer, instead of the built-in model",
+                                 flag="--model-config", metavar="CONFIG_JSON")
+    init_from: str | None = knob(None, "start from the transformers causal LM saved in this local folder "
+                                 "(save_pretrained: config.json and weights)", metavar="DIR")
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "seq_len"):
@@ -87,14 +92,19 @@ _BUILT_IN_MODEL_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads")  # ign
 class DataConfig:
     """Where tokens come from and how this peer's shard is chosen."""
 
-    corpus_dir: str | None = None  # folder of text files read as bytes; None = the Python standard library's .py sources
-    dataset: tuple[str, ...] = ()  # text, JSONL or parquet files (or folders of them), read through Hugging Face datasets
-    text_field: str = "text"  # the column holding each document's text in JSONL and parquet files
-    tokenizer: str | None = None  # a tokenizers file (tokenizer.json) for --dataset; None = UTF-8 bytes
-    cache_dir: str | None = None  # where datasets keeps a dataset's memory-mapped Arrow files; None = its own cache
-    eval_fraction: float = 0.02  # held-out tail used only for evaluation (fraction of bytes, or of documents of a dataset)
-    shard_index: int = 0  # which contiguous shard of the training data this peer reads
-    num_shards: int = 1  # how many shards the training data is split into
+    corpus_dir: str | None = knob(None, "folder of text files to train on, read as bytes (none: the Python standard "
+                                  "library's .py sources)", metavar="PATH")
+    dataset: tuple[str, ...] = knob((), "text (.txt .md), JSONL (.jsonl .json) or parquet files, or folders of them, "
+                                    "read through Hugging Face datasets: one document per line or row", metavar="PATH")
+    text_field: str = knob("text", "the column of JSONL and parquet files that holds each document's text")
+    tokenizer: str | None = knob(None, "a tokenizers file (tokenizer.json) for --dataset (none: UTF-8 bytes, 256 tokens)",
+                                 metavar="TOKENIZER_JSON")
+    cache_dir: str | None = knob(None, "where datasets keeps --dataset's memory-mapped Arrow files (none: its own cache)",
+                                 flag="--data-cache-dir", metavar="PATH")
+    eval_fraction: float = knob(0.02, "held-out tail used only for evaluation: a fraction of the bytes, or of a "
+                                "dataset's documents")
+    shard_index: int = knob(0, "which contiguous shard of the training data this peer reads")
+    num_shards: int = knob(1, "into how many shards the training data is split")
 
     def __post_init__(self) -> None:
         _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
@@ -105,7 +115,7 @@ class DataConfig:
         )
         _require(
             all(isinstance(p, str) and p and "\x00" not in p for p in self.dataset),
-            f"data.dataset must be a list of file or folder paths, got {_show(self.dataset)}",
+            f"data.dataset must be a list of file or folder paths, got {show(self.dataset)}",
         )
         _require(not (self.dataset and self.corpus_dir), "data.dataset (--dataset) and data.corpus_dir (--corpus-dir) exclude each other")
         _require(
@@ -115,26 +125,28 @@ class DataConfig:
         _require(not self.cache_dir or bool(self.dataset), "data.cache_dir (--data-cache-dir) needs data.dataset (--dataset)")
         _require(
             isinstance(self.text_field, str) and 0 < len(self.text_field) <= 256 and "\x00" not in self.text_field,
-            f"data.text_field must be a column name, got {_show(self.text_field)}",
+            f"data.text_field must be a column name, got {show(self.text_field)}",
         )
 
 
 @dataclass(frozen=True)
 class InnerConfig:
-    """The inner optimizer: AdamW on this peer's shard for H steps per round (DiLoCo §2)."""
+    """The inner optimizer: AdamW on this peer's shard for H steps per round (docs/design.md §2)."""
 
-    inner_steps: int = 50  # H: inner steps per outer round
-    batch_size: int = 16  # sequences per inner step
-    lr: float = 1e-3  # AdamW learning rate
-    weight_decay: float = 0.1  # AdamW decoupled weight decay
-    grad_clip_norm: float = 1.0  # clip the global grad norm to this; 0 disables clipping
-    tokens_per_round: int = 0  # swarm-wide tokens that end a round; 0 = inner_steps x batch tokens x live peers
-    round_deadline_s: float = 0.0  # a round ends at the latest this many seconds after it began; 0 = no deadline
-    throttle: float = 1.0  # slow each inner step this many times (sleeping), to emulate older hardware
-    fragments: int = 1  # streaming: split the params into this many fragments, averaged one per 1/P of a round
-    # the inner steps' arithmetic: bf16 autocast or fp32; auto = bf16 on a GPU, fp32 on a CPU. Only local: the
-    # params, the outer gradient and everything shared stay fp32
-    precision: str = "auto"
+    inner_steps: int = knob(50, "H: inner AdamW steps per peer per round at equal speeds; sets the default round budget",
+                            metavar="H")
+    batch_size: int = knob(16, "sequences per inner step")
+    lr: float = knob(1e-3, "AdamW learning rate", flag="--inner-lr")
+    weight_decay: float = knob(0.1, "AdamW decoupled weight decay")
+    grad_clip_norm: float = knob(1.0, "clip the global grad norm to this; 0 disables clipping")
+    tokens_per_round: int = knob(0, "tokens the whole swarm processes per round (0: H x batch tokens x live peers); a "
+                                 "fast peer simply contributes more of them")
+    round_deadline_s: float = knob(0.0, "a round ends at the latest this many seconds after it began (0: no deadline)")
+    throttle: float = knob(1.0, "slow this peer's inner steps this many times by sleeping, to emulate older hardware")
+    fragments: int = knob(1, "streaming: split the params into P fragments averaged at staggered times, one per 1/P of "
+                          "a round, so that each burst is about P times smaller", metavar="P")
+    precision: str = knob("auto", "arithmetic of the inner steps: bf16 autocast or fp32; auto is bf16 on a GPU and fp32 "
+                          "on a CPU; the params, outer gradients and everything shared stay fp32", choices=PRECISIONS)
 
     def __post_init__(self) -> None:
         _require(self.inner_steps >= 1, f"inner.inner_steps (H) must be >= 1, got {self.inner_steps}")
@@ -146,15 +158,15 @@ class InnerConfig:
         _require(self.round_deadline_s >= 0, f"inner.round_deadline_s must be >= 0 s, got {self.round_deadline_s}")
         _require(1 <= self.throttle <= 1000, f"inner.throttle must be in [1, 1000] (1 = full speed), got {self.throttle}")
         _require(self.fragments >= 1, f"inner.fragments must be >= 1, got {self.fragments}")
-        _require(self.precision in PRECISIONS, f"inner.precision must be one of {', '.join(PRECISIONS)}, got {_show(self.precision)}")
+        _one_of("inner", "precision", self.precision, PRECISIONS)
 
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """The outer optimizer: SGD with Nesterov momentum on the global params (DiLoCo §2)."""
+    """The outer optimizer: SGD with Nesterov momentum on the global params (docs/design.md §2)."""
 
-    lr: float = 0.7  # outer learning rate
-    momentum: float = 0.9  # Nesterov momentum; 0 = plain SGD
+    lr: float = knob(0.7, "outer Nesterov SGD learning rate", flag="--outer-lr")
+    momentum: float = knob(0.9, "outer Nesterov momentum; 0 = plain SGD", flag="--outer-momentum")
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, f"outer.lr must be > 0, got {self.lr}")
@@ -163,35 +175,48 @@ class OuterConfig:
 
 @dataclass(frozen=True)
 class SwarmConfig:
-    """How this peer finds and averages with the others."""
+    """How this peer finds and averages with the others (docs/networking.md, docs/security.md)."""
 
-    run_id: str = "p2p-diloco"  # name of the run; peers with the same run id train together
-    initial_peers: tuple[str, ...] = ()  # multiaddrs of peers already in the swarm; empty = start a new swarm
-    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)  # where to listen
-    announce_maddrs: tuple[str, ...] = ()  # addresses to advertise to others (e.g. a public IP)
-    identity_path: str | None = None  # private key file for a stable peer id; created if missing
-    compression: str = "int8"  # outer gradient codec: none, fp16, int8 (blockwise) or int4 (nf4, error feedback)
-    matchmaking_time_s: float = 5.0  # how long a ready peer waits for others to join its group (in the background)
-    averaging_timeout_s: float = 60.0  # give up on a round's averaging after this long
-    chunk_timeout_s: float = 5.0  # a groupmate silent this long in an all-reduce is dropped from it
-    state_timeout_s: float = 60.0  # bound on one state download from a peer
-    progress_period_s: float = 1.0  # how often this peer publishes its progress and reads the others' (DHT) near
-    # a round's end, while averaging, at start and after a peer joined; 5 s throughout sends ~4x less background
-    # traffic, but its staler views split groups more often when a peer joins late
-    progress_idle_period_s: float = 0.0  # the same while nothing is near (the round's end is over 3 of these away
-    # and no peer joined lately); 0 = the larger of 5 s and progress_period_s
-    progress_ttl_s: float = 20.0  # a peer whose progress record is older than this counts as gone
-    # dht: a DHT store and read each period (a store searches first, and each node asked answers with every record);
-    # push (opt-in): each record straight to the peers this one knows, the others' read from what they pushed (a DHT
-    # store and read every 10th period, to find peers not yet known): about a third of the bytes in a swarm of 4
-    progress_transport: str = "dht"
-    startup_timeout_s: float = 60.0  # bound on joining the DHT at start
-    swarm_key_file: str | None = None  # secret shared by the members of a closed run; None = an open run
-    allow_list_file: str | None = None  # the members' public keys, one per line: closes the run without a shared secret
-    reachability: str = "auto"  # auto (ask a peer to dial back), direct, relay (behind NAT) or client (dial out only)
-    relays: tuple[str, ...] = ()  # relay peers for a peer behind NAT; empty = the initial peers
-    relay_service: bool = True  # relay for peers behind NAT when this peer is reachable (bounded by p2pd's limits)
-    relay_wait_s: float = 20.0  # how long a peer in relay mode waits for its relay to carry a stranger's dial
+    run_id: str = knob("p2p-diloco", "name of the training run; peers with the same run id train together")
+    initial_peers: tuple[str, ...] = knob((), "multiaddrs of peers already in the swarm; none: start a new swarm and "
+                                          "print the address others join with", metavar="MULTIADDR")
+    host_maddrs: tuple[str, ...] = knob(("/ip4/0.0.0.0/tcp/0",), "where to listen (all interfaces, any free port)",
+                                        metavar="MULTIADDR")
+    announce_maddrs: tuple[str, ...] = knob((), "addresses to advertise to other peers, e.g. a public IP and port",
+                                            metavar="MULTIADDR")
+    identity_path: str | None = knob(None, "private key file that keeps the peer id across restarts (made if missing)",
+                                     flag="--identity", metavar="PATH")
+    compression: str = knob("int8", "outer gradient codec on the wire: none (fp32, 4 B/value), fp16 (2 B/value), int8 "
+                            "(blockwise 8-bit, ~1 B/value), int4 (NF4 with error feedback, ~0.56 B/value)",
+                            choices=COMPRESSIONS)
+    matchmaking_time_s: float = knob(5.0, "seconds a ready peer waits for others to join its averaging group")
+    averaging_timeout_s: float = knob(60.0, "seconds after which a round's averaging is abandoned")
+    chunk_timeout_s: float = knob(5.0, "seconds of silence after which a groupmate is dropped from an all-reduce")
+    state_timeout_s: float = knob(60.0, "seconds allowed for one download of the swarm's state from a peer")
+    progress_period_s: float = knob(1.0, "seconds between this peer's progress records near a round's end, while "
+                                    "averaging, at start and after a peer joined; 5 s throughout sends ~4x less "
+                                    "background traffic, but staler views split groups more often when a peer joins late")
+    progress_idle_period_s: float = knob(0.0, "the same while the round's end is over 3 of these away and no peer "
+                                         "joined lately (0: the larger of 5 s and progress_period_s)")
+    progress_ttl_s: float = knob(20.0, "a peer whose progress record is older than this many seconds counts as gone")
+    progress_transport: str = knob("dht", "how progress records travel: dht (a DHT store and read every period) or "
+                                   "push (straight to the peers this one knows; a DHT store and read every 10th period "
+                                   "find peers not yet known; about a third of the bytes in a swarm of 4)",
+                                   choices=PROGRESS_TRANSPORTS)
+    startup_timeout_s: float = knob(60.0, "seconds allowed for joining the DHT at start")
+    swarm_key_file: str | None = knob(None, "close the run: a file with a secret (>= 16 bytes) every member holds; only "
+                                      "members store DHT records, average or download state (none: an open run)",
+                                      metavar="PATH")
+    allow_list_file: str | None = knob(None, "close the run to the public keys in this file, one per line as "
+                                       "--show-identity prints them; needs --identity", flag="--allow-list",
+                                       metavar="PATH")
+    reachability: str = knob("auto", "how this peer takes part: direct (others dial it), relay (behind a NAT: reached "
+                             "through a relay peer), client (dials out only: sends its outer gradient, reduces no "
+                             "part); auto asks an initial peer to dial back", choices=REACHABILITY)
+    relays: tuple[str, ...] = knob((), "relay peers for a peer behind a NAT (none: the initial peers)", flag="--relay",
+                                   metavar="MULTIADDR")
+    relay_service: bool = knob(True, "relay for peers behind a NAT when this peer is reachable (bounded by p2pd's limits)")
+    relay_wait_s: float = knob(20.0, "seconds a peer in relay mode waits for its relay to carry a stranger's dial")
 
     @property
     def idle_period_s(self) -> float:
@@ -201,21 +226,11 @@ class SwarmConfig:
     def __post_init__(self) -> None:
         _require(
             bool(self.run_id) and all(c.isalnum() or c in "-_" for c in self.run_id),
-            f"swarm.run_id must be non-empty letters, digits, '-' or '_', got {_show(self.run_id)}",
+            f"swarm.run_id must be non-empty letters, digits, '-' or '_', got {show(self.run_id)}",
         )
-        _require(
-            self.compression in COMPRESSIONS,
-            f"swarm.compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}",
-        )
-        for name in (
-            "matchmaking_time_s",
-            "averaging_timeout_s",
-            "chunk_timeout_s",
-            "state_timeout_s",
-            "progress_period_s",
-            "progress_ttl_s",
-            "startup_timeout_s",
-        ):
+        _one_of("swarm", "compression", self.compression, COMPRESSIONS)
+        for name in ("matchmaking_time_s", "averaging_timeout_s", "chunk_timeout_s", "state_timeout_s",
+                     "progress_period_s", "progress_ttl_s", "startup_timeout_s", "relay_wait_s"):
             _require(getattr(self, name) > 0, f"swarm.{name} must be > 0 seconds, got {getattr(self, name)}")
         _require(
             self.averaging_timeout_s > self.matchmaking_time_s,
@@ -233,48 +248,47 @@ class SwarmConfig:
             self.progress_ttl_s >= 3 * self.idle_period_s,
             "swarm.progress_ttl_s must be at least 3x swarm.progress_idle_period_s",
         )
-        _require(
-            self.progress_transport in PROGRESS_TRANSPORTS,
-            f"swarm.progress_transport must be one of {', '.join(PROGRESS_TRANSPORTS)}, got {_show(self.progress_transport)}",
-        )
-        _require(
-            self.reachability in REACHABILITY,
-            f"swarm.reachability must be one of {', '.join(REACHABILITY)}, got {_show(self.reachability)}",
-        )
-        _require(self.relay_wait_s > 0, f"swarm.relay_wait_s must be > 0 seconds, got {self.relay_wait_s}")
+        _one_of("swarm", "progress_transport", self.progress_transport, PROGRESS_TRANSPORTS)
+        _one_of("swarm", "reachability", self.reachability, REACHABILITY)
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """When to stop, where to write, how to seed."""
+    """When to stop, where to write, how to seed, what to show."""
 
-    max_outer_steps: int = 0  # stop after this many outer steps; 0 = no limit
-    max_time_s: float = 0.0  # stop after this many seconds of wall time; 0 = no limit
-    metrics_file: str | None = None  # JSON lines, one record per outer step; None = no file
-    checkpoint_dir: str | None = None  # atomic checkpoints land here; None = no checkpoints
-    checkpoint_every: int = 10  # outer steps between checkpoints (and one at shutdown)
-    resume: bool = False  # start from the newest readable checkpoint in checkpoint_dir (then catch up with the swarm)
-    eval_every: int = 1  # evaluate on the held-out tail every this many outer steps
-    eval_batches: int = 4  # batches of the held-out tail per evaluation
-    seed: int = 0  # model init seed (shared by the swarm) is seed; data order uses seed + shard
-    threads: int = 1  # torch intra-op threads for this peer
-    device: str = "auto"  # where a single-process peer trains: auto (a GPU if torch sees one, else the CPU), cpu, cuda, cuda:N
-    # how the ranks of a torchrun island hold the model: ddp (all of it on every rank) or fsdp (FSDP2: each rank a
-    # shard of the params and inner AdamW state; rank 0 gathers them for the outer step). Needs >= 2 ranks
-    island_sharding: str = "ddp"
-    shutdown_wait_s: float = 10.0  # at the end of a run, wait this long for an averaging in flight to land
-    # after max_outer_steps, keep serving state up to this long while a live peer is behind (its last round failed,
-    # say), so that it can catch up to the final state instead of stepping alone onto other bytes; 0 = leave at once
-    straggler_wait_s: float = 20.0
-    start_at_unix: float = 0.0  # wait until this wall-clock time (Unix seconds) before the first inner step; 0 = at once
-    # before the first inner step, wait until this many peers (this one included) are in the swarm, so that peers
-    # launched together train together from the first round; 0 or 1 = start at once
-    wait_for_peers: int = 0
-    wait_for_peers_s: float = 120.0  # give up waiting for them after this long and start with whoever is there
-    ready_file: str | None = None  # once in the swarm, write this peer's id and addresses here as JSON (ready.py)
-    tensorboard_dir: str | None = None  # TensorBoard scalars per outer step land in DIR/<peer id>; None = none
-    monitor_port: int = 0  # serve the swarm monitor web page on this TCP port; 0 = no monitor
-    monitor_host: str = "127.0.0.1"  # address the monitor listens on (0.0.0.0: every interface; the page is read-only)
+    max_outer_steps: int = knob(0, "stop after this many outer steps (0: no limit)")
+    max_time_s: float = knob(0.0, "stop after this many seconds of wall time (0: no limit)")
+    metrics_file: str | None = knob(None, "write one JSON record per outer step to this file", metavar="PATH")
+    checkpoint_dir: str | None = knob(None, "write atomic checkpoints to this folder", metavar="PATH")
+    checkpoint_every: int = knob(10, "outer steps between checkpoints (and one at shutdown)")
+    resume: bool = knob(False, "start from the newest readable checkpoint in --checkpoint-dir (a corrupt one is "
+                        "reported and the one before it used), then catch up with the swarm if it is ahead")
+    eval_every: int = knob(1, "outer steps between held-out evaluations")
+    eval_batches: int = knob(4, "batches of the held-out tail per evaluation")
+    seed: int = knob(0, "model init seed, the same on every peer of a run; data order uses seed + shard")
+    threads: int = knob(1, "torch CPU threads for this peer")
+    device: str = knob("auto", "where a single-process peer trains: auto (a GPU if torch sees one, else the CPU), cpu, "
+                       "cuda or cuda:N; a torchrun island takes one GPU per rank")
+    island_sharding: str = knob("ddp", "how the ranks of a torchrun island hold the model: ddp (all of it on every "
+                                "rank) or fsdp (each rank a shard of the params and inner AdamW state; rank 0 gathers "
+                                "them for the outer step); fsdp needs 2 or more ranks", choices=ISLAND_SHARDINGS)
+    shutdown_wait_s: float = knob(10.0, "at the end of a run, wait this long for an averaging in flight to land")
+    straggler_wait_s: float = knob(20.0, "after max_outer_steps, keep serving state this long while a live peer is "
+                                   "behind, so that it can catch up to the final state (0: leave at once)")
+    start_at_unix: float = knob(0.0, "join the swarm, then wait until this wall-clock time (Unix seconds) before "
+                                "training (0: at once)", flag="--start-at", metavar="UNIX_TIME")
+    wait_for_peers: int = knob(0, "join the swarm, then wait until N peers (this one included) are in it before "
+                               "training, so that peers launched together train together from the first round "
+                               "(0: at once)", metavar="N")
+    wait_for_peers_s: float = knob(120.0, "stop waiting for --wait-for-peers after this many seconds and start with "
+                                   "whoever is there")
+    ready_file: str | None = knob(None, "once in the swarm, write this peer's id and addresses here as JSON (for "
+                                  "launchers and scripts)", metavar="PATH")
+    tensorboard_dir: str | None = knob(None, "write TensorBoard scalars per outer step to DIR/<peer id> (needs the "
+                                       "tensorboard extra)", flag="--tensorboard", metavar="DIR")
+    monitor_port: int = knob(0, "serve a live web page of the swarm on this TCP port (0: none)", metavar="PORT")
+    monitor_host: str = knob("127.0.0.1", "address the monitor page listens on (0.0.0.0: every interface; the page is "
+                             "read-only)", metavar="HOST")
 
     def __post_init__(self) -> None:
         _require(self.max_outer_steps >= 0, f"run.max_outer_steps must be >= 0, got {self.max_outer_steps}")
@@ -288,18 +302,15 @@ class RunConfig:
         _require(1 <= self.threads <= 1024, f"run.threads must be in [1, 1024], got {self.threads}")
         _require(
             self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
-            f"run.device must be auto, cpu, cuda or cuda:N, got {_show(self.device)}",
+            f"run.device must be auto, cpu, cuda or cuda:N, got {show(self.device)}",
         )
-        _require(
-            self.island_sharding in ISLAND_SHARDINGS,
-            f"run.island_sharding must be one of {', '.join(ISLAND_SHARDINGS)}, got {_show(self.island_sharding)}",
-        )
+        _one_of("run", "island_sharding", self.island_sharding, ISLAND_SHARDINGS)
         _require(self.shutdown_wait_s >= 0, f"run.shutdown_wait_s must be >= 0 s, got {self.shutdown_wait_s}")
         _require(self.straggler_wait_s >= 0, f"run.straggler_wait_s must be >= 0 s, got {self.straggler_wait_s}")
         _require(0 <= self.monitor_port <= 65535, f"run.monitor_port must be a TCP port in [1, 65535] (0: no monitor), got {self.monitor_port}")
         _require(
             bool(self.monitor_host) and len(self.monitor_host) <= 255 and not any(c.isspace() for c in self.monitor_host),
-            f"run.monitor_host must be a host name or IP address, got {_show(self.monitor_host)}",
+            f"run.monitor_host must be a host name or IP address, got {show(self.monitor_host)}",
         )
         _require(self.wait_for_peers >= 0, f"run.wait_for_peers must be >= 0, got {self.wait_for_peers}")
         _require(self.wait_for_peers_s > 0, f"run.wait_for_peers_s must be > 0 seconds, got {self.wait_for_peers_s}")
@@ -324,93 +335,9 @@ class PeerConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {f.name: f.type for f in fields(PeerConfig)}
-_SECTION_CLASSES = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "inner": InnerConfig,
-    "outer": OuterConfig,
-    "swarm": SwarmConfig,
-    "run": RunConfig,
-}
+SECTION_CLASSES: dict[str, type] = {f.name: f.default_factory for f in fields(PeerConfig)}  # type: ignore[misc]
 
 
-def build_config(overrides: dict[str, dict[str, Any]]) -> PeerConfig:
-    """Build a PeerConfig from ``{section: {field: value}}``; unknown names raise ValueError."""
-    sections = {}
-    for name, cls in _SECTION_CLASSES.items():
-        section = overrides.get(name, {})
-        _require(isinstance(section, dict), f"config section [{name}] must be a table, got {type(section).__name__}")
-        values = dict(section)
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(str(key) for key in set(values) - set(known))
-        _require(not unknown, f"unknown key(s) in [{name}]: {', '.join(unknown)}")
-        for key, value in values.items():
-            if isinstance(value, list):
-                values[key] = tuple(value)
-            _check_type(name, key, known[key], values[key])
-        sections[name] = cls(**values)
-    unknown_sections = sorted(str(key) for key in set(overrides) - set(_SECTION_CLASSES))
-    _require(not unknown_sections, f"unknown config section(s): {', '.join(unknown_sections)}")
-    return PeerConfig(**sections)
-
-
-def _check_type(section: str, key: str, spec: dataclasses.Field, value: Any) -> None:
-    default = spec.default if spec.default is not dataclasses.MISSING else None
-    if default is None:  # optional fields (paths) take None or a string
-        _require(
-            value is None or (isinstance(value, str) and "\x00" not in value),
-            f"{section}.{key} must be a path (a string), got {_show(value)}",
-        )
-        return
-    _require(value is not None, f"{section}.{key} must be set (got no value)")
-    expected: tuple[type, ...] = (type(default),)
-    if isinstance(default, float):
-        expected = (float, int)
-    if isinstance(default, bool) or isinstance(value, bool):
-        expected = (bool,) if isinstance(default, bool) else expected
-        _require(isinstance(value, bool) == isinstance(default, bool), f"{section}.{key} has the wrong type")
-    _require(
-        isinstance(value, expected),
-        f"{section}.{key} must be of type {type(default).__name__}, got {type(value).__name__} ({_show(value)})",
-    )
-    if isinstance(value, tuple):
-        _require(all(isinstance(v, str) for v in value), f"{section}.{key} must be a list of strings, got {_show(value)}")
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        # NaN fails the sections' range checks anyway, but inf passes "> 0" and then sleeps, times out or trains forever
-        _require(
-            _is_finite(value) and abs(value) <= _MAX_NUMBER,
-            f"{section}.{key} must be a finite number within +-2**53, got {_show(value)}",
-        )
-        _require(not key.endswith("_s") or value <= _MAX_SECONDS, f"{section}.{key} must be <= {_MAX_SECONDS:.0e} s, got {value}")
-
-
-def _is_finite(value: int | float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
-
-
-def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
-    """Read a TOML config file into ``{section: {field: value}}``; raises ValueError with the reason."""
-    path = Path(path)
-    try:
-        with path.open("rb") as handle:
-            raw = handle.read(_MAX_CONFIG_BYTES + 1)
-    except OSError as e:
-        raise ValueError(f"cannot read config file {path}: {e.strerror or e}") from None
-    _require(len(raw) <= _MAX_CONFIG_BYTES, f"config file {path} is larger than {_MAX_CONFIG_BYTES >> 20} MiB: not a config file")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"config file {path} is not UTF-8 text") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
-    except RecursionError:  # tomllib recurses once per nested array or inline table
-        raise ValueError(f"config file {path} nests arrays or tables too deeply") from None
-    for section, values in data.items():
-        _require(isinstance(values, dict), f"config file {path}: '{section}' must be a [table]")
-    return data
+def flag_of(spec: dataclasses.Field) -> str:
+    """The command-line flag of a config field: its own, or ``--field-name``."""
+    return spec.metadata.get("flag") or "--" + spec.name.replace("_", "-")

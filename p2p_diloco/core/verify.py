@@ -4,6 +4,7 @@
 - ``state_problem``: every tensor of the shapes and dtype this model has, params and momentum finite, the momentum
   bounded (10 times the params' norm, far above any honest momentum: an outer step adds at most a few times an
   outer gradient to it), counters that agree with the outer step, a well-formed round history and chain.
+- ``verified_state``: a downloaded state, whole and hashing to what the swarm vouches for, or why not.
 - ``next_step_problem``: a state one step past ours that no majority vouches for (a swarm of two) is taken only if
   our own state plus the average its donor serves gives exactly its bytes (the portable arithmetic makes this a
   byte comparison, docs/design.md §5), and that average passes the checks a reducer's result passes against the
@@ -18,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from p2p_diloco.core import history
 from p2p_diloco.core.config import OuterConfig
 from p2p_diloco.core.link import SwarmState
 from p2p_diloco.core.outer import OuterOptimizer, Segment, state_sha256
@@ -80,3 +82,51 @@ def next_step_problem(
     flat = torch.cat([piece.reshape(-1) for piece in averaged])
     problem = result_problem(flat, torch.cat([piece.reshape(-1) for piece in sent]), policy, policy.result_weight_scale_cap)
     return f"its average fails the checks of a reducer's result: {problem}" if problem else None
+
+
+def verified_state(
+    metadata: object, tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
+    template_shapes: Sequence[tuple[int, ...]], donor: str, target: history.Target,
+) -> SwarmState | str:
+    """The donor's state if it is whole (``state_problem``) and hashes to ``target``'s sha256 at its outer step,
+    otherwise why not. ``tensors``: its params, momentum and (optionally) the average that made its state, of the
+    averaging template's ``template_shapes``."""
+    count = len(shapes)
+    if not isinstance(metadata, dict) or len(tensors) not in (2 * count, 2 * count + len(template_shapes)):
+        return "malformed state"
+    params, momentum = list(tensors[:count]), list(tensors[count : 2 * count])
+    problem = state_problem(metadata, params, momentum, shapes)
+    if problem is not None:
+        return problem
+    digest = state_sha256(params, momentum)
+    if (metadata["outer_step"], digest) != target.node or digest != metadata.get("global_sha256"):
+        return f"its state is not outer step {target.step} with the sha256 the swarm vouches for ({target.how})"
+    average = list(tensors[2 * count :]) or None
+    if average is not None and [tuple(t.shape) for t in average] != list(template_shapes):
+        average = None  # not an average of ours: the state stands, no next step can be recomputed from it
+    parent = metadata.get("parent_sha256")
+    chain = history.chain_of(dict(outer_step=metadata["outer_step"], global_sha256=digest, recent=metadata.get("recent")))
+    return SwarmState(
+        outer_step=metadata["outer_step"],
+        global_params=params,
+        momentum=momentum,
+        outer_steps_taken=metadata["outer_steps_taken"],
+        steps_into_round=metadata["steps_into_round"],
+        global_sha256=digest,
+        donor=donor,
+        round_history=parse_history(metadata.get("round_history")),
+        chain=chain,
+        parent_sha256=parent if isinstance(parent, str) else None,
+        last_average=[t.float() for t in average] if average is not None else None,
+        how=target.how,
+    )
+
+
+def parse_history(value: object) -> dict[int, tuple[str, ...]]:
+    """A donor's round history, keeping only well-formed entries (it is a hint, never trusted for bytes)."""
+    history: dict[int, tuple[str, ...]] = {}
+    if isinstance(value, dict):
+        for step, peers in value.items():
+            if isinstance(step, int | str) and str(step).isdigit() and isinstance(peers, list | tuple):
+                history[int(step)] = tuple(str(p) for p in peers)
+    return history

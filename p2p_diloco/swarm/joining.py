@@ -18,6 +18,7 @@ from typing import Any
 
 from hivemind import DHT
 from hivemind.p2p import P2P
+from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.core.config import SwarmConfig
 from p2p_diloco.swarm.hivemind_api import check_version
@@ -190,3 +191,25 @@ def _settle(dht: DHT, config: SwarmConfig, mode: str, public_address: str | None
     return Reachability("relay", f"{behind}: no relay carried a stranger's dial to this peer within "
                         f"{config.relay_wait_s:.0f} s; p2pd keeps asking the relays (others cannot dial this "
                         "peer until one answers)", public_address)
+
+
+def peer_ids_in(addresses: Sequence[str]) -> list[str]:
+    """The peer ids in multiaddrs' /p2p/ parts (malformed ones skipped)."""
+    found = []
+    for address in addresses:
+        try:
+            found.append(str(Multiaddr(address)["p2p"]))
+        except Exception:
+            continue
+    return found
+
+
+def check_multiaddr(text: str, need_peer_id: bool) -> str:
+    """Return ``text`` if it is a valid multiaddr (with a /p2p/ peer id if asked); raise ValueError otherwise."""
+    try:
+        protocols = [p.name for p in Multiaddr(text).protocols()]
+    except Exception as e:
+        raise ValueError(f"bad multiaddr {text!r}: {first_line(e)}") from None
+    if need_peer_id and "p2p" not in protocols:
+        raise ValueError(f"initial peer {text!r} lacks its /p2p/<peer id> part (copy the whole address a peer printed)")
+    return text

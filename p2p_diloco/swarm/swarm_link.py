@@ -18,22 +18,21 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import torch
-from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.core import history
 from p2p_diloco.core.compression import ErrorFeedback, make_codec
 from p2p_diloco.core.config import SwarmConfig
 from p2p_diloco.core.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
-from p2p_diloco.core.outer import state_sha256
 from p2p_diloco.core.swarm_view import ProgressPace, SwarmView
-from p2p_diloco.core.verify import state_problem
-from p2p_diloco.swarm.averaging import WireCodec, part_norms_of, part_values_for, run_averaging
+from p2p_diloco.core.verify import verified_state
+from p2p_diloco.swarm.averaging import run_averaging
 from p2p_diloco.swarm.guarded import GuardedAllReduceRunner, GuardedAverager
-from p2p_diloco.swarm.joining import SwarmStartError, first_line, join_swarm
+from p2p_diloco.swarm.joining import SwarmStartError, first_line, join_swarm, peer_ids_in
 from p2p_diloco.swarm.membership import RunMembership
 from p2p_diloco.swarm.processes import close_dht, kill_if_alive
 from p2p_diloco.swarm.progress import ProgressBeacon, ProgressReader
+from p2p_diloco.swarm.wire import WireCodec, part_norms_of, part_values_for
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class SwarmLink:
         self._averager: GuardedAverager | None = None
         # what we know of the others and decide from their records (pure: core/swarm_view.py); a fresh peer breaks
         # a tie by the word of the peers it was told to join through
-        self.view = SwarmView(self.peer_id, _peer_ids(config.initial_peers), config.progress_period_s, config.idle_period_s)
+        self.view = SwarmView(self.peer_id, peer_ids_in(config.initial_peers), config.progress_period_s, config.idle_period_s)
         self._pace = ProgressPace(config.progress_period_s, config.idle_period_s, config.progress_ttl_s)
         self._beacon: ProgressBeacon | None = None
         self._averaging_in_flight = False
@@ -339,7 +338,7 @@ class SwarmLink:
                     return None
                 continue
             metadata, tensors, donor = loaded
-            state = self._verified_state(metadata, tensors, shapes, donor, target)
+            state = verified_state(metadata, tensors, shapes, self._template_shapes, donor, target)
             if isinstance(state, SwarmState):
                 self.view.participants = self.view.participants.union(*state.round_history.values())
                 return dataclasses.replace(state, refused_donors=tuple(sorted(reasons.items())))
@@ -356,42 +355,6 @@ class SwarmLink:
             return target
         return self.swarm_target(chain, fresh=target.how == "fresh")
 
-    def _verified_state(
-        self, metadata: object, tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], donor: str,
-        target: history.Target,
-    ) -> SwarmState | str:
-        """The donor's state if it is whole (verify.state_problem) and hashes to ``target``'s sha256 at its outer step,
-        otherwise why not."""
-        count = len(shapes)
-        if not isinstance(metadata, dict) or len(tensors) not in (2 * count, 2 * count + len(self._template_shapes)):
-            return "malformed state"
-        params, momentum = list(tensors[:count]), list(tensors[count : 2 * count])
-        problem = state_problem(metadata, params, momentum, shapes)
-        if problem is not None:
-            return problem
-        digest = state_sha256(params, momentum)
-        if (metadata["outer_step"], digest) != target.node or digest != metadata.get("global_sha256"):
-            return f"its state is not outer step {target.step} with the sha256 the swarm vouches for ({target.how})"
-        average = list(tensors[2 * count :]) or None
-        if average is not None and [tuple(t.shape) for t in average] != self._template_shapes:
-            average = None  # not an average of ours: the state stands, no next step can be recomputed from it
-        parent = metadata.get("parent_sha256")
-        chain = history.chain_of(dict(outer_step=metadata["outer_step"], global_sha256=digest, recent=metadata.get("recent")))
-        return SwarmState(
-            outer_step=metadata["outer_step"],
-            global_params=params,
-            momentum=momentum,
-            outer_steps_taken=metadata["outer_steps_taken"],
-            steps_into_round=metadata["steps_into_round"],
-            global_sha256=digest,
-            donor=donor,
-            round_history=_parse_history(metadata.get("round_history")),
-            chain=chain,
-            parent_sha256=parent if isinstance(parent, str) else None,
-            last_average=[t.float() for t in average] if average is not None else None,
-            how=target.how,
-        )
-
     def close(self) -> None:
         """Leave the swarm: say so in the progress record, stop publishing, shut the averager and the DHT (and
         its p2pd) down."""
@@ -406,37 +369,3 @@ class SwarmLink:
         if self.dht is not None:
             close_dht(self.dht)
             self.dht = None
-
-
-def _peer_ids(addresses: Sequence[str]) -> list[str]:
-    """The peer ids in multiaddrs' /p2p/ parts (malformed ones skipped)."""
-    found = []
-    for address in addresses:
-        try:
-            found.append(str(Multiaddr(address)["p2p"]))
-        except Exception:
-            continue
-    return found
-
-
-def _parse_history(value: object) -> dict[int, tuple[str, ...]]:
-    """A donor's round history, keeping only well-formed entries (it is a hint, never trusted for bytes)."""
-    history: dict[int, tuple[str, ...]] = {}
-    if isinstance(value, dict):
-        for step, peers in value.items():
-            if isinstance(step, int | str) and str(step).isdigit() and isinstance(peers, list | tuple):
-                history[int(step)] = tuple(str(p) for p in peers)
-    return history
-
-
-def check_multiaddr(text: str, need_peer_id: bool) -> str:
-    """Return ``text`` if it is a valid multiaddr (with a /p2p/ peer id if asked); raise ValueError otherwise."""
-    from hivemind.utils.multiaddr import Multiaddr
-
-    try:
-        protocols = [p.name for p in Multiaddr(text).protocols()]
-    except Exception as e:
-        raise ValueError(f"bad multiaddr {text!r}: {first_line(e)}") from None
-    if need_peer_id and "p2p" not in protocols:
-        raise ValueError(f"initial peer {text!r} lacks its /p2p/<peer id> part (copy the whole address a peer printed)")
-    return text

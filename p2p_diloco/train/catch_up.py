@@ -77,7 +77,7 @@ def _next_step_problem(learner: Learner, state: SwarmState) -> str | None:
     pending = learner.unconfirmed
     assert pending is not None
     sent = [segment.of(learner.global_params) - snapshot.cpu() for segment, snapshot in zip(pending.segments, pending.snapshot)]
-    averaged = learner.unpack(state.last_average, pending.segments) if state.last_average is not None else None
+    averaged = learner.fragments.unpack(state.last_average, pending.segments) if state.last_average is not None else None
     return next_step_problem(state, learner.outer_step, learner.global_params, learner.outer.momentum_buffers,
                              learner.outer.steps_taken, learner.global_sha256, learner.config.outer, pending.segments,
                              averaged, sent)
@@ -92,7 +92,7 @@ def _take_state(learner: Learner, state: SwarmState, peer_id: str) -> None:
             for segment, snapshot in zip(applied.segments, applied.snapshot):
                 piece = segment.of(local)
                 piece.add_((segment.of(learner.global_params) - snapshot.cpu()).to(piece.device))
-            learner.unsynced_by_fragment[applied.fragment] -= applied.tokens_behind
+            learner.fragments.synced(applied.fragment, applied.tokens_behind)
         for param, old, new in zip(local, learner.global_params, state.global_params):
             param.add_((new - old).to(param.device))  # local_params <- new_global + (local_params - old_global)
             old.copy_(new)

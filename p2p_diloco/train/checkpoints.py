@@ -61,8 +61,8 @@ def save(learner: Learner) -> None:
             inner_optimizer=inner_optimizer,
             data_position=learner.dataset.train.position,
             tokens_total=learner.tokens_total,
-            unsynced_by_fragment=list(learner.unsynced_by_fragment),
-            recent_round_tokens=[list(entry) for entry in learner.recent_round_tokens],
+            unsynced_by_fragment=list(learner.fragments.unsynced),
+            recent_round_tokens=[list(entry) for entry in learner.rounds.recent],
         )
     path = checkpoint.save_atomic(learner.config.run.checkpoint_dir, learner.outer_step, state)
     logger.info("checkpoint written: %s", path)
@@ -125,6 +125,6 @@ def _restore(learner: Learner, state: dict, path: Path) -> None:
         learner.chain = deque([(outer_step, saved_sha)], maxlen=CHAIN)  # fresh: the swarm's vouched state wins
     learner.dataset.train.position = position
     learner.tokens_total = tokens_total
-    learner.unsynced_by_fragment = unsynced
-    learner.recent_round_tokens = deque(recent, maxlen=len(learner.fragments))
+    learner.fragments.unsynced = unsynced
+    learner.rounds.recent = deque(recent, maxlen=len(learner.fragments))
     learner.resumed_from = str(path)

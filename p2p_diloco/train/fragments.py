@@ -33,3 +33,55 @@ def partition_fragments(params: list[torch.Tensor], count: int) -> list[list[Seg
         fragments[k].append(piece)
         loads[k] += piece.stop - piece.start
     return [sorted(fragment) for fragment in fragments]
+
+
+class Fragments:
+    """The params split into P fragments: outer step r averages fragment ``r % P``. Also counts, per fragment, the
+    tokens of local progress not yet synced into it (what its next outer gradient carries), and packs a fragment's
+    1-D pieces into the one template every averaging carries. With P = 1 the template is the params' own shapes."""
+
+    def __init__(self, params: list[torch.Tensor], count: int):
+        self._params = params
+        self.parts = partition_fragments(params, count)
+        self.unsynced = [0] * count  # tokens of local progress not yet in each fragment
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __getitem__(self, index: int) -> list[Segment]:
+        return self.parts[index]
+
+    def __iter__(self):
+        return iter(self.parts)
+
+    def at(self, outer_step: int) -> tuple[int, list[Segment]]:
+        """The fragment outer step ``outer_step`` averages: its index and segments."""
+        index = outer_step % len(self.parts)
+        return index, self.parts[index]
+
+    def trained(self, tokens: int) -> None:
+        self.unsynced = [count + tokens for count in self.unsynced]
+
+    def synced(self, index: int, tokens: int) -> None:
+        self.unsynced[index] -= tokens
+
+    def template(self) -> list[torch.Tensor]:
+        """The tensors one averaging carries: the params themselves, or one flat buffer that fits any fragment."""
+        if len(self.parts) == 1:
+            return [torch.zeros_like(p) for p in self._params]
+        return [torch.zeros(max(sum(s.stop - s.start for s in f) for f in self.parts))]
+
+    def pack(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """1-D pieces of one fragment -> the averaging template's tensors."""
+        if len(self.parts) == 1:  # whole tensors: keep their shapes
+            return [piece.view(param.shape) for piece, param in zip(pieces, self._params)]
+        (template,) = self.template()
+        flat = torch.cat(pieces)
+        return [torch.cat([flat, template[flat.numel() :]])]  # zero padding: fragments differ by a few values at most
+
+    def unpack(self, averaged: list[torch.Tensor], segments: list[Segment]) -> list[torch.Tensor]:
+        """The averaging template's tensors -> 1-D pieces, one per segment of the fragment."""
+        if len(self.parts) == 1:
+            return [tensor.reshape(-1) for tensor in averaged]
+        sizes = [s.stop - s.start for s in segments]
+        return list(averaged[0][: sum(sizes)].split(sizes))

@@ -46,10 +46,11 @@ from p2p_diloco.train import checkpoints, recorder, run_edges
 from p2p_diloco.train.catch_up import catch_up
 from p2p_diloco.train.checkpoints import checkpoints_for
 from p2p_diloco.train.data import DataSource
-from p2p_diloco.train.fragments import partition_fragments
+from p2p_diloco.train.fragments import Fragments
 from p2p_diloco.train.island import Control, Island
 from p2p_diloco.train.model import build_model
 from p2p_diloco.train.recorder import Interval, SendRate
+from p2p_diloco.train.rounds import Rounds
 
 logger = logging.getLogger(__name__)
 ROUND_HISTORY = 32  # outer steps whose group members a peer remembers and serves with its state
@@ -107,16 +108,10 @@ class Learner:
         self.global_sha256 = state_sha256(self.global_params, self.outer.momentum_buffers)  # published: invariant 1
         self.tokens_total = 0
         # streaming fragments (docs/design.md §1, Streaming DiLoCo): outer step r averages fragment r % P only
-        self.fragments = partition_fragments(self.global_params, config.inner.fragments)
-        self.unsynced_by_fragment = [0] * len(self.fragments)  # tokens of local progress not yet in each fragment
+        self.fragments = Fragments(self.global_params, config.inner.fragments)
+        # when a round ends and what an outer gradient weighs (train/rounds.py)
+        self.rounds = Rounds(config.inner, dataset.train.tokens_per_batch, len(self.fragments))
         self.send_rate = SendRate()  # the largest ~1 s burst of averaging traffic since the last record
-        self.round_tokens = 0  # tokens this peer processed in the swarm's current round
-        self._published_plan: tuple = ()  # (round, budget, its start) last published: what ends this peer's round
-        # [outer step, tokens this peer trained in its rounds at that step] for its last outer steps, as many as there
-        # are fragments: a fragment's outer gradient stands for that many rounds, and its weight is their tokens
-        self.recent_round_tokens: deque[list[int]] = deque(maxlen=len(self.fragments))
-        self.round_started = time.monotonic()
-        self.steps_into_round = 0
         self.compute_s = self.blocked_s = 0.0
         self.eval_s = 0.0  # time spent evaluating: measurement, neither training nor waiting
         self.catch_ups = self.forks_healed = 0
@@ -146,28 +141,11 @@ class Learner:
     @property
     def tokens_unsynced(self) -> int:
         """Tokens behind the next outer gradient: local progress not yet merged into the next fragment to sync."""
-        return self.unsynced_by_fragment[self.outer_step % len(self.fragments)]
+        return self.fragments.unsynced[self.fragments.at(self.outer_step)[0]]
 
     def averaging_template(self) -> list[torch.Tensor]:
-        """The tensors one averaging carries: the params themselves, or one flat buffer that fits any fragment."""
-        if len(self.fragments) == 1:
-            return [torch.zeros_like(p) for p in self.global_params]
-        return [torch.zeros(max(sum(s.stop - s.start for s in f) for f in self.fragments))]
-
-    def pack(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        """1-D pieces of one fragment -> the averaging template's tensors."""
-        if len(self.fragments) == 1:  # whole tensors: keep their shapes
-            return [piece.view(param.shape) for piece, param in zip(pieces, self.global_params)]
-        (template,) = self.averaging_template()
-        flat = torch.cat(pieces)
-        return [torch.cat([flat, template[flat.numel() :]])]  # zero padding: fragments differ by a few values at most
-
-    def unpack(self, averaged: list[torch.Tensor], segments: list[Segment]) -> list[torch.Tensor]:
-        """The averaging template's tensors -> 1-D pieces, one per segment of the fragment."""
-        if len(self.fragments) == 1:
-            return [tensor.reshape(-1) for tensor in averaged]
-        sizes = [s.stop - s.start for s in segments]
-        return list(averaged[0][: sum(sizes)].split(sizes))
+        """The tensors one averaging carries (train/fragments.py)."""
+        return self.fragments.template()
 
     @property
     def round_index(self) -> int:
@@ -182,7 +160,7 @@ class Learner:
                 outer_step=self.outer_step,
                 global_sha256=self.global_sha256,
                 outer_steps_taken=self.outer.steps_taken,
-                steps_into_round=self.steps_into_round,
+                steps_into_round=self.rounds.steps,
                 peer_id=self.peer_id,
                 round_history={str(step): list(peers) for step, peers in self.round_history.items()},
                 recent=[list(node) for node in self.chain],
@@ -206,7 +184,7 @@ class Learner:
             # first, so that the other ranks wait at the first boundary while rank 0 catches up (FSDP: to serve it)
             self.share_start()
             catch_up(self, link)
-            self.round_started = time.monotonic()
+            self.rounds.started = time.monotonic()
             stop = self.sync_island(self.should_stop()).stop
             while not stop:
                 self.inner_step(link)
@@ -274,41 +252,18 @@ class Learner:
         tokens = inputs.numel() * self.island.size  # the island's tokens: every rank read a batch of its own sub-shard
         self.compute_s += elapsed
         self.tokens_total += tokens
-        self.unsynced_by_fragment = [count + tokens for count in self.unsynced_by_fragment]
-        self.round_tokens += tokens
-        self.steps_into_round += 1
-        self.interval.inner_steps += 1
-        self.interval.tokens += tokens
-        self.interval.loss_sum += loss.item()
-        self.interval.compute_s += elapsed
+        self.fragments.trained(tokens)
+        self.rounds.trained(tokens)
+        self.interval.add_step(tokens, loss.item(), elapsed)
         if self.pending is not None:
             self.pending.steps_during += 1
         self.send_rate.sample(link.traffic()[0], time.monotonic())
-        rate = self.round_tokens / max(1e-3, time.monotonic() - self.round_started)
-        link.publish(round=self.round_index, round_tokens=self.round_tokens, tokens=self.tokens_total, rate=round(rate, 1))
-
-    def round_budget_tokens(self, live_peers: int) -> int:
-        """The swarm-wide tokens of one outer step: the round's budget (configured, or H steps of this peer's
-        batch per live peer) divided among the fragments, which are averaged one after the other."""
-        configured = self.config.inner.tokens_per_round
-        per_peer = self.config.inner.inner_steps * self.dataset.train.tokens_per_batch
-        return (configured or per_peer * (1 + live_peers)) // len(self.fragments)
+        link.publish(round=self.round_index, round_tokens=self.rounds.tokens, tokens=self.tokens_total,
+                     rate=round(self.rounds.rate, 1))
 
     def round_is_over(self, link: Link) -> bool:
-        """The swarm's round ends when its tokens reach the budget, someone already moved on, or at the deadline."""
-        view = link.round_view(self.round_index)
-        if view.peers_ahead:
-            return True
-        budget = self.round_budget_tokens(view.live_peers)
-        deadline_s = self.config.inner.round_deadline_s
-        plan = (self.round_index, budget, self.round_started)
-        if plan != self._published_plan:  # the beacons pace their records by how near the round's end is
-            self._published_plan = plan
-            ends = dict(round_deadline=round(time.time() + deadline_s - (time.monotonic() - self.round_started), 3))
-            link.publish(round_budget=budget, **(ends if deadline_s else {}))
-        if view.tokens_by_others + self.round_tokens >= budget:
-            return True
-        return bool(deadline_s) and time.monotonic() - self.round_started >= deadline_s
+        """The swarm's round is over (train/rounds.py: its tokens reached the budget, a peer moved on, a deadline)."""
+        return self.rounds.is_over(link, self.round_index)
 
     def end_round(self, link: Link) -> None:
         if self.pending is not None:  # the previous averaging is still in flight: the only wait in the loop
@@ -324,36 +279,21 @@ class Learner:
         # if the swarm moved on, or another group averaged our last outer step to other bytes (a fork),
         # take the swarm's state now; our progress is rebased onto it
         catch_up(self, link)
-        fragment = self.outer_step % len(self.fragments)
-        segments = self.fragments[fragment]
+        fragment, segments = self.fragments.at(self.outer_step)
         local = self.island.local_params()
         snapshot = [s.of(local).detach().clone() for s in segments]
         outer_grads = [s.of(self.global_params) - local.cpu() for s, local in zip(segments, snapshot)]
-        # The weight is the tokens of the rounds this outer gradient stands for (docs/design.md §2: w_i = tokens this
-        # round), not all the progress it carries. After failed rounds the carried progress is k rounds' worth;
-        # weighted by all of it, a mean of deltas counts it k times over: a peer that had chased the swarm for 6
-        # rounds declared 296k tokens against the others' 36k and 45k, weighed 66-78% in that outer step even
-        # after clamping, and the held-out loss rose 2.219 -> 2.283. Weighted by its round, its carried
-        # progress adds what it would have added in each of those rounds.
-        # A retry of the same outer step (our last averaging failed and nobody moved on) is the same round: a retry
-        # that peers still averaging that step end at once would otherwise weigh a full round by a few steps
-        recent = self.recent_round_tokens
-        if recent and recent[-1][0] == self.outer_step:
-            recent[-1][1] += self.round_tokens
-        else:
-            recent.append([self.outer_step, self.round_tokens])
         tokens = self.tokens_unsynced
-        weight = float(min(tokens, sum(count for _, count in recent)))
+        weight = self.rounds.weight(self.outer_step, tokens)  # the tokens of the rounds it stands for
         what = f"fragment {fragment + 1}/{len(self.fragments)}" if len(self.fragments) > 1 else "outer gradient"
         carried = f", {tokens - int(weight)} more carried" if tokens > weight else ""
         logger.info("outer step %d: averaging started (%s, weight %d tokens%s)", self.outer_step, what, weight, carried)
         traffic_before = link.traffic()
-        future = link.average_async(self.pack(outer_grads), weight=weight, outer_step=self.outer_step)
+        future = link.average_async(self.fragments.pack(outer_grads), weight=weight, outer_step=self.outer_step)
         self.pending = PendingAveraging(
             future, self.outer_step, weight, snapshot, fragment, segments, traffic_before=traffic_before, tokens=tokens
         )
-        self.round_tokens, self.steps_into_round = 0, 0
-        self.round_started = time.monotonic()
+        self.rounds.restart()
         if future.done():  # a swarm of one answers at once
             self.complete_averaging(link)
 
@@ -372,7 +312,7 @@ class Learner:
             local = self.island.local_params()
             with self.state_lock:
                 self.parent_sha256, self.last_average = self.global_sha256, [t.clone() for t in outcome.averaged]
-                self.outer.step(self.unpack(outcome.averaged, segments), segments)
+                self.outer.step(self.fragments.unpack(outcome.averaged, segments), segments)
                 self.outer_step += 1
                 self.global_sha256 = state_sha256(self.global_params, self.outer.momentum_buffers)
                 self.chain.append((self.outer_step, self.global_sha256))
@@ -381,7 +321,7 @@ class Learner:
                 for segment, snapshot in zip(segments, pending.snapshot):
                     param = segment.of(local)
                     param.copy_(segment.of(self.global_params).to(param.device) + (param - snapshot))  # new_global if idle
-            self.unsynced_by_fragment[pending.fragment] -= pending.tokens_behind
+            self.fragments.synced(pending.fragment, pending.tokens_behind)
             self.remember_round(pending.outer_step, outcome.peers)
             self.unconfirmed = None
             self.publish_step(link)

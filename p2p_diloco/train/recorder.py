@@ -31,6 +31,12 @@ class Interval:
     blocked_s: float = 0.0
     longest_block_s: float = 0.0  # the longest single wait of the training loop
 
+    def add_step(self, tokens: int, loss: float, compute_s: float) -> None:
+        self.inner_steps += 1
+        self.tokens += tokens
+        self.loss_sum += loss
+        self.compute_s += compute_s
+
     @property
     def mean_loss(self) -> float | None:
         return self.loss_sum / self.inner_steps if self.inner_steps else None

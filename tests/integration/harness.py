@@ -6,7 +6,7 @@ import re
 import time
 from pathlib import Path
 
-from p2p_diloco.cli.launch import LocalSwarm
+from p2p_diloco.cli.peer_processes import LocalSwarm
 
 # small and quick, but the real code path: DHT, matchmaking, butterfly all-reduce, int8 codec
 PEER_SCRIPT = Path(__file__).resolve().parents[2] / "peers" / "peer.py"  # what a volunteer runs

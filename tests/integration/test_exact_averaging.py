@@ -10,7 +10,8 @@ from hivemind import DHT
 
 from p2p_diloco.core.compression import make_codec
 from p2p_diloco.core.link import codec_round_trip
-from p2p_diloco.swarm.averaging import DilocoAverager, ExactAllReduceRunner, WireCodec, run_averaging
+from p2p_diloco.swarm.averaging import DilocoAverager, ExactAllReduceRunner, run_averaging
+from p2p_diloco.swarm.wire import WireCodec
 
 pytestmark = pytest.mark.integration
 

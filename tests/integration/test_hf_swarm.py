@@ -84,7 +84,8 @@ def test_the_default_peer_does_not_import_the_hugging_face_libraries():
     """Default flags: the config, the byte corpus, the model, the learner and the swarm modules a peer imports."""
     code = """
 import sys
-from p2p_diloco.cli.peer import OneLineParser, add_peer_flags, open_process_inputs, resolve_config
+from p2p_diloco.cli.flags import OneLineParser, add_peer_flags, resolve_config
+from p2p_diloco.cli.peer import open_process_inputs
 from p2p_diloco.train.learner import Learner
 import p2p_diloco.swarm.swarm_link
 parser = OneLineParser()

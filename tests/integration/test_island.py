@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco.cli.launch import start_peer, wait_for_address
+from p2p_diloco.cli.peer_processes import start_peer, wait_for_address
 from p2p_diloco.core import checkpoint
 from p2p_diloco.core.config import DataConfig, InnerConfig, ModelConfig, PeerConfig, RunConfig
 from p2p_diloco.observe.metrics import NullSink

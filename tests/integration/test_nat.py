@@ -13,7 +13,7 @@ import time
 import pytest
 
 from experiments.wan import Wan, leftovers, unavailable_reason
-from p2p_diloco.cli.launch import LocalSwarm
+from p2p_diloco.cli.peer_processes import LocalSwarm
 from p2p_diloco.observe.report import check_invariant_1
 
 from .harness import FAST_PEER_FLAGS

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.cli.launch import LocalSwarm
+from p2p_diloco.cli.peer_processes import LocalSwarm
 from p2p_diloco.observe.report import build_report
 
 from .harness import FAST_PEER_FLAGS

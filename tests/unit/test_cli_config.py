@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from p2p_diloco.cli.peer import OneLineParser, add_peer_flags, resolve_config
+from p2p_diloco.cli.flags import OneLineParser, add_peer_flags, resolve_config
 
 
 def test_config_file_is_read_and_flags_override_it(tmp_path):

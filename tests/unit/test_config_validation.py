@@ -14,9 +14,8 @@ from p2p_diloco.core.config import (
     PeerConfig,
     RunConfig,
     SwarmConfig,
-    build_config,
-    load_toml,
 )
+from p2p_diloco.core.config_load import build_config, load_toml
 
 
 @pytest.mark.parametrize(

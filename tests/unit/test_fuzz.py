@@ -3,7 +3,7 @@
 Property, for whatever bytes or values hypothesis makes up: the reader either succeeds with something sane, or
 raises its documented error with a one-line message (ValueError for config and checkpoints, whose message is
 what peer.py prints; MalformedPayloadError for a received tensor). Anything else (a TypeError, an
-AttributeError, a NaN that got through, a hang caught by the deadline) fails the test. The runs are
+AttributeError, a NaN that got through, a hang caught by pytest-timeout) fails the test. The runs are
 derandomized, so CI sees the same examples every time, and sized to take well under a minute on two cores.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import math
 import struct
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -25,10 +24,11 @@ from hypothesis import strategies as st
 
 from p2p_diloco.core import checkpoint
 from p2p_diloco.core.compression import MalformedPayloadError, make_codec
-from p2p_diloco.core.config import COMPRESSIONS, DataConfig, InnerConfig, PeerConfig, RunConfig, build_config, load_toml
+from p2p_diloco.core.config import COMPRESSIONS, DataConfig, InnerConfig, PeerConfig, RunConfig
+from p2p_diloco.core.config_load import build_config, load_toml
 from p2p_diloco.core.link import LocalLink
 from p2p_diloco.observe.metrics import NullSink
-from p2p_diloco.swarm.averaging import WireCodec, install_wire_codecs
+from p2p_diloco.swarm.wire import WireCodec, install_wire_codecs
 from p2p_diloco.train.learner import Learner
 
 from .helpers import TINY_MODEL, make_dataset
@@ -39,9 +39,9 @@ pytestmark = pytest.mark.timeout(120)
 def fuzz(max_examples: int) -> settings:
     return settings(
         max_examples=max_examples,
-        # a hang is a failure; the bound is loose because bitsandbytes compiles its CPU int4 decoder (torch.compile)
-        # anew for each odd number of values, which takes seconds on a busy machine
-        deadline=timedelta(seconds=20),
+        # no deadline: no test asserts on time (bitsandbytes compiles its CPU int4 decoder anew for each odd number
+        # of values, seconds on a busy machine); a hang is caught by pytest-timeout (pyproject.toml)
+        deadline=None,
         derandomize=True,
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2p_diloco.cli.peer import OneLineParser, add_peer_flags, resolve_config
+from p2p_diloco.cli.flags import OneLineParser, add_peer_flags, resolve_config
 from p2p_diloco.core.config import DataConfig, PeerConfig, RunConfig
 from p2p_diloco.train.island import Island, collective_timeout_s
 

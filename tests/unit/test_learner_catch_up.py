@@ -62,8 +62,8 @@ def _learner_with_local_progress(make_config) -> Learner:
     link = AheadLink(-1, None)
     for _ in range(LOCAL_STEPS):  # local params now differ from global
         learner.inner_step(link)
-    assert learner.steps_into_round == LOCAL_STEPS
-    assert learner.round_tokens == learner.tokens_unsynced == LOCAL_STEPS * BATCH * config.model.seq_len
+    assert learner.rounds.steps == LOCAL_STEPS
+    assert learner.rounds.tokens == learner.tokens_unsynced == LOCAL_STEPS * BATCH * config.model.seq_len
     assert not learner.round_is_over(link)
     assert link.downloads == 0 and not link.averaged
     assert any(not torch.equal(p, g) for p, g in zip(learner.params, learner.global_params, strict=True))
@@ -88,7 +88,7 @@ def _swarm_state(learner: Learner, outer_step: int, steps_into_round: int) -> Sw
 def test_catch_up_takes_the_swarm_state_and_rebases_local_progress(make_config):
     learner = _learner_with_local_progress(make_config)
     old_global, old_local = snapshot(learner.global_params), snapshot(learner.params)
-    round_tokens, unsynced = learner.round_tokens, learner.tokens_unsynced
+    round_tokens, unsynced = learner.rounds.tokens, learner.tokens_unsynced
     state = _swarm_state(learner, outer_step=7, steps_into_round=3)
     expected_global, expected_momentum = snapshot(state.global_params), snapshot(state.momentum)
     link = AheadLink(7, state)
@@ -107,8 +107,8 @@ def test_catch_up_takes_the_swarm_state_and_rebases_local_progress(make_config):
     assert_all_close(list(learner.model.parameters()), expected_local)
     # rounds are swarm-wide token budgets: catching up neither shortens nor restarts this peer's round,
     # and the rebased progress still counts as unsynced
-    assert learner.steps_into_round == LOCAL_STEPS
-    assert learner.round_tokens == round_tokens and learner.tokens_unsynced == unsynced
+    assert learner.rounds.steps == LOCAL_STEPS
+    assert learner.rounds.tokens == round_tokens and learner.tokens_unsynced == unsynced
     assert learner.catch_ups == 1 and learner.forks_healed == 0
     assert learner.pending is None and learner.round_index == 7
     steps_published = [fields for fields in link.published if "outer_step" in fields]
@@ -178,7 +178,7 @@ def test_round_end_catches_up_before_taking_the_outer_gradient(make_config):
     assert call["outer_step"] == 4 and call["weight"] == float(unsynced)
     assert_all_close(call["tensors"], [g - lo for g, lo in zip(old_global, old_local, strict=True)])
     assert learner.outer_step == 5 and learner.pending is None  # the group of one answered at once
-    assert learner.tokens_unsynced == 0 and learner.round_tokens == 0 and learner.steps_into_round == 0
+    assert learner.tokens_unsynced == 0 and learner.rounds.tokens == 0 and learner.rounds.steps == 0
 
 
 def _failed_on_our_side(learner: Learner) -> PendingAveraging:

@@ -72,7 +72,7 @@ def test_failed_round_keeps_global_state_and_local_progress(make_config):
     assert any(not torch.equal(p, g) for p, g in zip(learner.params, learner.global_params, strict=True))
     # the tokens stay unsynced, to weigh the next outer gradient; a new round has begun
     assert learner.tokens_unsynced == learner.tokens_total == round_tokens
-    assert learner.round_tokens == 0 and learner.steps_into_round == 0
+    assert learner.rounds.tokens == 0 and learner.rounds.steps == 0
 
 
 def test_next_successful_round_carries_both_rounds_of_tokens_and_progress(make_config):

@@ -146,7 +146,7 @@ def test_inner_steps_run_while_averaging_and_their_work_is_kept(make_config):
     assert link.calls[0]["outer_step"] == 0 and link.calls[0]["weight"] == float(H * BATCH_TOKENS)
     assert_all_close(pending.snapshot, [t.reshape(-1) for t in local_at_round_end], rtol=0, atol=0)
     assert_all_close(link.calls[0]["tensors"], [g - s for g, s in zip(global_before, local_at_round_end, strict=True)])
-    assert learner.round_index == 1 and learner.round_tokens == 0  # our tokens now count towards the next round
+    assert learner.round_index == 1 and learner.rounds.tokens == 0  # our tokens now count towards the next round
 
     during = 3
     for _ in range(during):
@@ -241,7 +241,7 @@ def test_a_fragment_is_weighted_by_the_rounds_since_its_last_averaging(make_conf
     # steps 0 and 1: every token since the start; then the two rounds since the fragment's last averaging; the
     # retry of step 2 (fragment 0) and step 3 (fragment 1) each stand for the two attempts at step 2 and one more
     assert weights == [round_tokens, 2 * round_tokens, 2 * round_tokens, 3 * round_tokens, 3 * round_tokens]
-    assert learner.unsynced_by_fragment == [round_tokens, 0]  # fragment 0: the round at step 3, sent at step 4
+    assert learner.fragments.unsynced == [round_tokens, 0]  # fragment 0: the round at step 3, sent at step 4
 
 
 def test_round_end_waits_for_the_averaging_still_in_flight(make_config):
@@ -287,7 +287,7 @@ def test_weights_add_up_to_the_tokens_processed(make_config, complete_after: int
     assert learner.tokens_total == learner.dataset.train.position * BATCH_TOKENS
     weights = [c["weight"] for c in link.calls]
     # every token is in exactly one successful outer gradient, or still unsynced in the unfinished round
-    assert learner.tokens_unsynced == learner.round_tokens == complete_after * BATCH_TOKENS
+    assert learner.tokens_unsynced == learner.rounds.tokens == complete_after * BATCH_TOKENS
     assert sum(weights) == learner.tokens_total - learner.tokens_unsynced
     ok = [r for r in sink.records if r["status"] == "ok"]
     assert [r["weight"] for r in ok] == weights
@@ -370,7 +370,7 @@ def test_round_ends_at_the_deadline(make_config):
     config = _config(make_config, inner=InnerConfig(inner_steps=1000, batch_size=BATCH, round_deadline_s=0.2))
     learner = _learner(config)
     link = FakeLink()
-    learner.round_started = time.monotonic()
+    learner.rounds.started = time.monotonic()
     assert not learner.round_is_over(link)
     time.sleep(0.25)
     assert learner.round_is_over(link)

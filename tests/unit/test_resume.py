@@ -39,7 +39,7 @@ def test_stop_and_resume_equals_an_uninterruptedrun_learner(tmp_path, make_confi
     assert resumed.outer_step == 2 and resumed.dataset.train.position == first.dataset.train.position
     assert resumed.global_sha256 == first.global_sha256 and resumed.tokens_total == first.tokens_total
     # the rounds each fragment's next weight counts (2 fragments: the last 2 outer steps' tokens)
-    assert list(resumed.recent_round_tokens) == list(first.recent_round_tokens) and len(first.recent_round_tokens) == 2
+    assert list(resumed.rounds.recent) == list(first.rounds.recent) and len(first.rounds.recent) == 2
     resumed.run(LocalLink("int8"))
 
     assert resumed.outer_step == straight.outer_step == 4

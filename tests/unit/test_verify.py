@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from p2p_diloco.core.config import OuterConfig
+from p2p_diloco.core.history import Target
 from p2p_diloco.core.link import SwarmState
 from p2p_diloco.core.outer import OuterOptimizer, Segment, state_sha256
 from p2p_diloco.core.portable import seeded_normal
-from p2p_diloco.core.verify import next_step_problem, state_problem
+from p2p_diloco.core.verify import next_step_problem, state_problem, verified_state
 
 SHAPES = [(6, 4), (5,)]
 
@@ -77,3 +78,38 @@ def test_a_next_step_is_taken_only_if_it_recomputes_and_its_average_is_plausible
     assert "no average made from our state" in next_step_problem(
         _next_state(params, momentum, honest, 7, 7, "0" * 64, segments), averaged=honest, **check)
     assert "no average made from our state" in next_step_problem(state, averaged=None, **check)
+
+
+def _served(average: list[torch.Tensor] | None = None) -> tuple[dict, list[torch.Tensor], Target]:
+    params, momentum = _tensors("p"), _tensors("m", 0.1)
+    digest = state_sha256(params, momentum)
+    metadata = _metadata(global_sha256=digest, parent_sha256="ab" * 32, recent=[[6, "cd" * 32]])
+    return metadata, params + momentum + (average or []), Target(7, digest, "majority")
+
+
+def test_a_served_state_that_hashes_to_the_vouched_target_is_taken_with_its_average():
+    average = [torch.ones(6, 4), torch.ones(5)]
+    metadata, tensors, target = _served(average)
+    state = verified_state(metadata, tensors, SHAPES, SHAPES, "donor", target)
+    assert isinstance(state, SwarmState)
+    assert (state.outer_step, state.global_sha256, state.donor, state.how) == (7, target.sha256, "donor", "majority")
+    assert state.round_history == {6: ("a", "b")} and state.chain[-1] == (7, target.sha256)
+    assert state.last_average is not None and all(torch.equal(a, b) for a, b in zip(state.last_average, average))
+
+
+def test_a_served_state_is_refused_when_it_is_not_the_vouched_one_or_malformed():
+    metadata, tensors, target = _served()
+    other = Target(7, "00" * 32, "majority")
+    assert "not outer step 7 with the sha256" in verified_state(metadata, tensors, SHAPES, SHAPES, "d", other)
+    lying = dict(metadata, global_sha256="00" * 32)  # the bytes hash to the target, the metadata says otherwise
+    assert "not outer step 7" in verified_state(lying, tensors, SHAPES, SHAPES, "d", target)
+    assert verified_state("not a dict", tensors, SHAPES, SHAPES, "d", target) == "malformed state"
+    assert verified_state(metadata, tensors[:3], SHAPES, SHAPES, "d", target) == "malformed state"
+    garbage = dict(metadata, round_history={"x": 5, "3": ["a"]})
+    assert isinstance(verified_state(garbage, tensors, SHAPES, SHAPES, "d", target), str)
+
+
+def test_an_average_of_other_shapes_leaves_the_state_but_no_next_step_to_recompute():
+    metadata, tensors, target = _served([torch.ones(4, 6), torch.ones(5)])
+    state = verified_state(metadata, tensors, SHAPES, SHAPES, "d", target)
+    assert isinstance(state, SwarmState) and state.last_average is None

@@ -98,7 +98,7 @@ def test_tensorboard_scalars_per_outer_step(tmp_path):
 
 
 def test_monitor_and_tensorboard_settings_are_checked():
-    from p2p_diloco.core.config import build_config
+    from p2p_diloco.core.config_load import build_config
 
     config = build_config({"run": {"monitor_port": 8470, "monitor_host": "0.0.0.0", "tensorboard_dir": "runs/tb"}})
     assert (config.run.monitor_port, config.run.monitor_host, config.run.tensorboard_dir) == (8470, "0.0.0.0", "runs/tb")
