@@ -28,7 +28,7 @@ Per scenario, from the peers' own metrics, logs and final checkpoints:
 - whether the adversary is named in an honest peer's metrics (``rejected_peers``) or, for the stranger, refused
   in an honest peer's log and never in an honest group.
 
-This module starts and stops processes (through launcher.py) and reads what they wrote; it holds no training logic.
+This module starts and stops processes (through p2p_diloco/cli/peer_processes.py) and reads what they wrote; it holds no training logic.
 """
 
 from __future__ import annotations

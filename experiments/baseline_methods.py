@@ -114,7 +114,7 @@ def _adamw(config: PeerConfig) -> Callable[[Any], torch.optim.Optimizer]:
 
 
 class Bare:
-    """Forward, backward, clip, AdamW: ``Learner._inner_step`` without the swarm."""
+    """Forward, backward, clip, AdamW: ``Learner.inner_step`` without the swarm."""
 
     def __init__(self, config: PeerConfig):
         self.model = build_model(config.model, config.run.seed)

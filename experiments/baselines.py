@@ -3,7 +3,7 @@
 ``python -m experiments.baselines --method {syncdp,hivemind-opt,bare} [flags] [peer flags]``
 
 - ``bare``: the plain PyTorch loop (forward, backward, clip, AdamW step) in one process, no network: the
-  compute limit. Per step it does exactly what ``Learner._inner_step`` computes, nothing more.
+  compute limit. Per step it does exactly what ``Learner.inner_step`` computes, nothing more.
 - ``syncdp``: synchronous data parallel over a hivemind swarm: every step the gradients are all-reduced
   (uncompressed fp32, token-weighted) with the other ``syncdp`` processes, then clipped and applied by AdamW.
   It uses our ``DilocoAverager``, whose results are bit-identical on every peer, so the params stay identical.

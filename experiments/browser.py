@@ -1,5 +1,5 @@
 """The monitor page in a real browser: headless Chromium driven by Playwright, for the end-to-end test and for
-the README's screenshot (``scripts/monitor_screenshot.py``).
+the screenshot in docs/monitoring.md (``scripts/monitor_screenshot.py``).
 
 Playwright's Python package drives the machine's own Chromium (Debian's ``/usr/bin/chromium``) through its
 bundled driver; nothing here downloads a browser (``playwright install`` needs the internet). Each launch gets a

@@ -4,7 +4,7 @@ a calm run of the same honest swarm.
 
     python scripts/attack.py --out runs/attack [--outer-steps 8] [--scenarios nan scaled ...] [peer flags]
 
-Writes OUT/attack.json and OUT/attack.md (a table). See p2p_diloco/attack.py for how each figure is computed.
+Writes OUT/attack.json and OUT/attack.md (a table). See experiments/attack.py for how each figure is computed.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python scripts/chaos.py --peers 4 --duration-s 300 --kill-every-s 30 --restart-after-s 10 --out runs/chaos [peer flags]
 
 Writes OUT/chaos.json (goodput, stalls, time to contribute again, invariant 1, eval loss vs calm) and
-OUT/chaos.png (timeline). See p2p_diloco/chaos.py for how each figure is computed.
+OUT/chaos.png (timeline). See experiments/chaos.py for how each figure is computed.
 """
 
 from __future__ import annotations

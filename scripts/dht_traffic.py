@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python scripts/dht_traffic.py --out runs/dht-traffic [--members 4] [--period-s 1 5]
 
-The logic lives in p2p_diloco/dht_traffic.py; this file only calls it.
+The logic lives in experiments/dht_traffic.py; this file only calls it.
 """
 
 from __future__ import annotations

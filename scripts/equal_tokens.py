@@ -2,7 +2,7 @@
 
     python scripts/equal_tokens.py --out runs/equal-tokens [--tokens 1700000] [--inner-steps 10 25 100] [--peers 4]
 
-The logic lives in p2p_diloco/equal_tokens.py; this file only calls it.
+The logic lives in experiments/equal_tokens.py; this file only calls it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Read-only swarm monitor: ``python scripts/monitor.py --run-id R --initial-peers MULTIADDR --port 8470``.
 
-Joins the run's DHT without training and serves the live monitor page (p2p_diloco/monitor.py)."""
+Joins the run's DHT without training and serves the live monitor page (p2p_diloco/observe/monitor.py)."""
 
 import sys
 from pathlib import Path

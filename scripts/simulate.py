@@ -5,7 +5,7 @@
     python scripts/simulate.py bandwidth --params 12e9 --islands 8 --tokens-per-s 3e5 --tokens-per-step 5e5 --inner-steps 24 ...
     python scripts/simulate.py calibrate runs/chaos    # a run's measured overheads, and its faults replayed
 
-The logic lives in p2p_diloco/sim/; this file only calls it.
+The logic lives in experiments/sim/; this file only calls it.
 """
 
 from __future__ import annotations

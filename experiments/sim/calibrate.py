@@ -2,7 +2,7 @@
 
 A run folder is either a chaos folder (``OUT/chaos.json`` from ``scripts/chaos.py``, whose ``chaotic_run``
 holds the fault log and the metrics files) or a plain swarm folder (``peer*.jsonl`` from
-``scripts/swarm.py``, no faults). From the records (one per outer step per peer, see ``learner._write``):
+``scripts/swarm.py``, no faults). From the records (one per outer step per peer, see train/recorder.py):
 
 - *compute fraction*: compute / wall over the training intervals between two records of a peer, leaving out
   its own fault windows (as ``chaos.analyse`` does for its survivors' goodput) and its join downloads;

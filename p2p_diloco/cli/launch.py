@@ -1,8 +1,8 @@
 """A local multiprocess swarm: N peer processes on 127.0.0.1, live progress, clean stop, run report.
 
-Each peer runs ``peers/peer.py`` in its own process group (its averager, DHT process and ``p2pd`` go
-with it), so that stopping or killing a peer never leaves children behind. The first peer starts the
-swarm; the others join through the address it writes to its ready file (ready.py). The peers of ``swarm.py``
+Each peer runs ``python -m p2p_diloco.cli peer`` in its own process group (cli/peer_processes.py: its averager,
+DHT process and ``p2pd`` go with it), so that stopping or killing a peer never leaves children behind. The first
+peer starts the swarm; the others join through the address it writes to its ready file (cli/ready.py). The peers
 start training together (``--wait-for-peers``), and a peer that fails to join or exits with an error is named
 and makes the launcher exit non-zero. This module holds no training logic.
 """

@@ -11,7 +11,7 @@ for a majority. The rules, in order (``Target.how``):
   head holds it after it), that more than half of the other peers on that history (whose chains hold our head)
   vouch for, and two of them at least.
 - ``fresh``: a peer that has not averaged in a group since it started (a late joiner, a peer resumed from an old
-  checkpoint) takes the head most others vouch for, if more vouch for it than for ours, or as many and it is
+  checkpoint) takes the head most others vouch for, if more vouch for it than are at our head, or as many and it is
   further (a second peer joining a swarm of one; a late joiner beside three honest peers and a liar). A tie it breaks only by the word of a peer it was told to join through
   (``--initial-peers``); otherwise it waits: beside two honest peers, two colluders must not win it.
 - ``majority`` (another history): for a peer that has averaged, the highest node not on its chain that more than
@@ -26,7 +26,7 @@ for a majority. The rules, in order (``Target.how``):
 
 A peer whose head no majority vouches for and that lies three or more steps past the highest node a majority
 vouches for makes an *unbacked claim* (``unbacked_claims``): it moves nobody, is said once, and a peer that keeps
-making them is banned (swarm.py). Nor
+making them is banned (swarm/swarm_link.py). Nor
 does it make an honest peer's search for a group stale (``moved_past``). Known limit: a swarm cut into two equal
 halves, each on its own history, stays cut until one side has a majority (a peer joins or leaves), and a fresh
 peer between them waits.
@@ -127,9 +127,12 @@ def choose_target(
         return Target(*max(ahead), "majority")
     heads = {chain[-1] for chain in others.values()}
     behind = set(own) | _before(own, others.values())  # our history, up to our head
-    ours = 1 + support.get(head, 0)  # peers on our head, this one included
-    if fresh:  # only a head more vouched for than ours, or as much and further: never back along our own history
-        better = {node for node in heads - behind if (support[node], node[0]) > (ours, head[0])}
+    ours = 1 + support.get(head, 0)  # peers whose chains hold our head, this one included
+    if fresh:  # only a head more vouched for than ours, or as much and further: never back along our own history.
+        # Ours counts the peers *at* our head: one that passed through it has moved on (a fresh peer in a swarm of
+        # two whose first round failed on its side only, or a joiner whose partner's chain still holds the start)
+        at_ours = 1 + sum(chain[-1] == head for chain in others.values())
+        better = {node for node in heads - behind if (support[node], node[0]) > (at_ours, head[0])}
         return _fresh_choice(better, support, others, set(anchors))
     ours_too = behind | after
     elsewhere = [node for node, vouchers in support.items()

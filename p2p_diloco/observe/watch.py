@@ -1,6 +1,6 @@
 """What a person watching a swarm sees: each peer's latest progress and a short history, from progress records.
 
-Peers publish a progress record in the DHT every period (swarm.py). Besides what the rounds need (outer step,
+Peers publish a progress record in the DHT every period (swarm/progress.py). Besides what the rounds need (outer step,
 round tokens, rate, sha256), the record carries ``stats``: a compact summary of the peer's last metrics record,
 packed here by ``pack_stats`` and read back by ``unpack_stats`` (one list of small numbers instead of named
 fields: every peer reads every record every second, so its size is background traffic).

@@ -11,7 +11,7 @@ pieces of it rather than copying it:
 2. *A partial all-reduce reports success.* When a reducer dies, hivemind fills its part with the peer's
    own value and logs a warning. Here any lost part makes the round fail, loudly, as a returned value.
 3. *The 8-bit codec crashes under numpy 2* and the failure is swallowed. Our codecs
-   (``compression.py``) are registered in hivemind's codec registry for the wire types they use.
+   (``core/compression.py``) are registered in hivemind's codec registry (``swarm/wire.py``) for the wire types they use.
 
 This module does not decide *when* to average or what to do with the result: that is the learner's job.
 """

@@ -10,7 +10,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -67,9 +66,8 @@ def _failure_logs(swarm) -> str:
 @pytest.mark.timeout(200)
 def test_torchrun_island_averages_with_a_single_peer_and_its_ranks_stay_identical(tmp_path, reaper):
     # the island starts first, as the swarm's first peer: torchrun and two ranks importing torch are the slowest
-    # to start on a loaded 2-core machine; both peers begin training at the same agreed time
-    start_at = time.time() + 60
-    swarm = local_swarm(tmp_path, reaper, ["--start-at", f"{start_at:.1f}", "--max-time-s", "30"])
+    # to start on a loaded 2-core machine; both peers begin training once both are in the swarm
+    swarm = local_swarm(tmp_path, reaper, ["--wait-for-peers", "2", "--max-time-s", "30"])
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()), str(PEER_SCRIPT)]
     island = start_peer("island", tmp_path, [*swarm.flags, "--shard-index", "1", "--num-shards", "2"], None, entry=torchrun)
     reaper.append(island.process.pid)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 
 import pytest
 
@@ -42,9 +41,9 @@ def test_peers_behind_nat_take_part_in_every_round(tmp_path, reaper):
     with Wan(4, 20.0, prefix=prefix, subnet=84, nat=[2, 3]) as wan:
         swarm = LocalSwarm(tmp_path, flags, on_start=reaper.append, wan=wan)
         try:
-            start_at = ["--start-at", str(time.time() + 30)]  # train together once the NATed one has found its way
+            together = ["--wait-for-peers", "3"]  # train together once the NATed one has found its way
             for index in range(3):
-                swarm.start(f"peer{index}", index, 4, extra=start_at)
+                swarm.start(f"peer{index}", index, 4, extra=together)
             swarm.wait_until(lambda: swarm.outer_step("peer0") >= 2, 150, "two outer steps")
             swarm.start("peer3", 3, 4)  # behind NAT and late: it must download the state to join
             swarm.wait_until(lambda: len(_averaged_by_all_four(swarm.all_records())) >= 2, 240, "two rounds of 4")

@@ -223,29 +223,53 @@ def _forks_healed(honest: dict[str, list[dict]], invariant: dict) -> bool:
     return all(int(step) in heals or int(step) + 1 in heals for step in invariant["forks"])
 
 
+def _loss_fell(records: list[dict], by: float) -> bool:
+    evals = [r["eval_loss"] for r in records if r["eval_loss"] is not None]
+    return len(evals) >= 2 and evals[-1] < evals[0] - by
+
+
 def _honest_ids(records: dict[str, list[dict]]) -> dict[str, str]:
     return {name: recs[0]["peer_id"] for name, recs in records.items() if recs}
 
 
 @pytest.mark.timeout(300)
 def test_nan_and_scaled_adversaries_do_not_reach_honest_params(tmp_path, reaper):
-    swarm = local_swarm(tmp_path, reaper, ["--max-time-s", "75", "--start-at", f"{time.time() + 25:.1f}"])
+    # the four train together from the first round; the test stops them once it saw what it checks (the time limit
+    # only bounds a run that goes wrong)
+    swarm = local_swarm(tmp_path, reaper, ["--max-time-s", "150", "--wait-for-peers", "4"])
     swarm.start("honest0", shard=0, num_shards=4)
     swarm.start("honest1", shard=1, num_shards=4)
     swarm.start("nan", shard=2, num_shards=4, entry=[ADVERSARY_PEER, "--adversary", "nan"])
     swarm.start("scaled", shard=3, num_shards=4, entry=[ADVERSARY_PEER, "--adversary", "scaled"])
-    swarm.wait_all_exited(200)
+
+    def named(recs: list[dict]) -> set[str]:
+        return {item["peer"] for r in recs for item in r.get("rejected_peers", [])}
+
+    def seen_enough() -> bool:
+        records = swarm.all_records()
+        if not all(records[name] for name in swarm.peers):
+            return False
+        ids = _honest_ids(records)
+        honest = {name: records[name] for name in ("honest0", "honest1")}
+        return check_invariant_1(honest)["outer_steps_reported_by_several_peers"] >= 4 and all(
+            {ids["nan"], ids["scaled"]} <= named(recs)
+            and any(r["status"] == "ok" and r["group_size"] >= 3 for r in recs)
+            and _loss_fell(recs, 0.5)
+            for recs in honest.values()
+        )
+
+    swarm.wait_until(seen_enough, 160, "both adversaries named, a group of 3, 4 outer steps, held-out loss down 0.5")
+    swarm.stop_all()
     records = swarm.all_records()
     ids = _honest_ids(records)
     honest = {name: records[name] for name in ("honest0", "honest1")}
     invariant = check_invariant_1(honest)
     assert _forks_healed(honest, invariant), invariant["forks"]
-    assert invariant["outer_steps_reported_by_several_peers"] >= 3
+    assert invariant["outer_steps_reported_by_several_peers"] >= 4
     for name, recs in honest.items():
         evals = [r["eval_loss"] for r in recs if r["eval_loss"] is not None]
         assert all(math.isfinite(v) for v in evals) and evals[-1] < evals[0] - 0.5, (name, evals)
-        named = {item["peer"] for r in recs for item in r.get("rejected_peers", [])}
-        assert {ids["nan"], ids["scaled"]} <= named, (name, named)
+        assert {ids["nan"], ids["scaled"]} <= named(recs), (name, named(recs))
         assert any(r["status"] == "ok" and r["group_size"] >= 3 for r in recs)
 
 
@@ -274,8 +298,14 @@ def test_a_peer_claiming_to_be_ahead_is_never_followed_and_is_banned(tmp_path, r
     assert held <= computed, "an honest peer held a state no honest peer computed"
     assert check_invariant_1(honest)["held"]
     assert all(records[name][-1]["outer_step"] >= 16 for name in ("honest0", "honest1"))
-    founders = [r for name in ("honest0", "honest1") for r in records[name]]
-    assert not any(r["status"] == "stale" for r in founders)  # the claims never made their searches stale
+    # the claims never made their searches stale: a founder's search went stale only after another honest peer had
+    # taken a later step (its side of a round failed while the other's succeeded, a fault unrelated to the claims)
+    honest_steps = [(r["unix_time"], r["outer_step"], name) for name, recs in honest.items() for r in recs]
+    for name in ("honest0", "honest1"):
+        for r in records[name]:
+            if r["status"] == "stale":
+                assert any(other != name and step > r["outer_step"] and when <= r["unix_time"]
+                           for when, step, other in honest_steps), ("stale with no honest peer past it", name, r)
     late = records["honest2"]
     assert any(r["status"] == "caught_up" for r in late) and any(r["status"] == "ok" and r["group_size"] >= 2 for r in late)
     logs = {name: swarm.peers[name].log_file.read_text() for name in honest}

@@ -70,6 +70,12 @@ def test_a_late_joiner_and_a_resumed_peer_take_the_swarms_history():
     assert choose_target(swarm, history("h", 5), fresh=True, own_id="a") == Target(20, sha("h20"), "fresh")
     # a second peer joining a swarm of one has nobody else to believe
     assert choose_target(view({"b": history("h", 20)}), history("h", 0), fresh=True, own_id="a") == Target(20, sha("h20"), "fresh")
+    # ... also while the one's chain still holds the start we are at: it passed through our head, it is not at it
+    assert choose_target(view({"b": history("h", 5)}), history("h", 0), fresh=True, own_id="a") == Target(5, sha("h5"), "fresh")
+    # a swarm of two whose first round failed on one side only: the fresh side takes the other's step, no deadlock
+    # (it searched at step 0 with nobody left there, the other at step 1 with nobody there yet)
+    assert choose_target(view({"b": history("h", 1)}), history("h", 0), fresh=True, own_id="a") == Target(1, sha("h1"), "fresh")
+    assert moved_past(view({"b": history("h", 1)}), history("h", 0), own_id="a")
     # ... but a peer with a history of its own does not follow a lone peer somewhere else
     assert choose_target(view({"x": history("x", 20)}), history("h", 12), fresh=False, own_id="a") is None
     # and the first peer, which trained alone (still fresh), does not go back to the second's start

@@ -1,4 +1,4 @@
-"""Learner._catch_up: when the swarm is ahead, take its state and rebase local progress onto the new global params."""
+"""Catching up (train/catch_up.py): when the swarm is ahead, take its state and rebase local progress onto the new global params."""
 
 from __future__ import annotations
 
