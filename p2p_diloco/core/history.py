@@ -8,11 +8,11 @@ Only the live, unbanned peers a peer reads vote, and nobody's word alone moves a
 for a majority. The rules, in order (``Target.how``):
 
 - ``majority`` (catching up): the highest node past this peer's head, on its own history (a chain that holds our
-  head holds it after it), that more than half of the other peers on that history (whose chains hold our head)
-  vouch for, and two of them at least.
+  head holds it after it), that more than half of the peers on that history (whose chains hold our head, this
+  one included: it vouches for nothing past its head) vouch for, and two of them at least.
 - ``fresh``: a peer that has not averaged in a group since it started (a late joiner, a peer resumed from an old
-  checkpoint) takes the head most others vouch for, if more vouch for it than are at our head, or as many and it is
-  further (a second peer joining a swarm of one; a late joiner beside three honest peers and a liar). A tie it breaks only by the word of a peer it was told to join through
+  checkpoint) takes the head most others vouch for, if more vouch for it than are at our head (this peer
+  included), or one against one and it is further (a second peer joining a swarm of one; a late joiner beside three honest peers and a liar). A tie it breaks only by the word of a peer it was told to join through
   (``--initial-peers``); otherwise it waits: beside two honest peers, two colluders must not win it.
 - ``majority`` (another history): for a peer that has averaged, the highest node not on its chain that more than
   half of all the peers, this one included, vouch for, and more of them than vouch for its head: a partition's
@@ -122,7 +122,8 @@ def choose_target(
     support = _support(others)  # vouchers among the others
     after = _after(head, others.values())
     holders = sum(head in chain for chain in others.values())  # the others on our history
-    ahead = [node for node in after if 2 * support[node] > holders and support[node] >= 2]
+    # this peer votes too, for nothing past its head: two colluders beside two honest peers are no majority
+    ahead = [node for node in after if 2 * support[node] > holders + 1 and support[node] >= 2]
     if ahead:
         return Target(*max(ahead), "majority")
     heads = {chain[-1] for chain in others.values()}
@@ -132,7 +133,10 @@ def choose_target(
         # Ours counts the peers *at* our head: one that passed through it has moved on (a fresh peer in a swarm of
         # two whose first round failed on its side only, or a joiner whose partner's chain still holds the start)
         at_ours = 1 + sum(chain[-1] == head for chain in others.values())
-        better = {node for node in heads - behind if (support[node], node[0]) > (at_ours, head[0])}
+        # a tie goes to the further head only between lone words (a second peer joining a swarm of one): beside
+        # another peer at our start, two colluders' claim is a tie, and we wait for the swarm's first rounds
+        better = {node for node in heads - behind
+                  if support[node] > at_ours or (support[node] == at_ours == 1 and node[0] > head[0])}
         return _fresh_choice(better, support, others, set(anchors))
     ours_too = behind | after
     elsewhere = [node for node, vouchers in support.items()

@@ -40,7 +40,9 @@ def test_a_peer_behind_catches_up_to_what_most_peers_vouch_for_never_to_a_lone_c
     liar = [*history("h", 10), *history("x", 16, first=11)]  # vouches for our history, then claims 6 steps more
     records = view({"b": honest, "c": honest, "x": liar})
     own = history("h", 10)  # our round at step 10 failed
-    assert choose_target(records, own, fresh=False, own_id="a") == Target(11, sha("h11"), "majority")
+    # two of four are no majority (we vouch for nothing past our head): the honest next step, checked by recomputing it
+    assert choose_target(records, own, fresh=False, own_id="a") == Target(11, sha("h11"), "next")
+    assert choose_target({**records, "d": record(honest)}, own, fresh=False, own_id="a") == Target(11, sha("h11"), "majority")
     assert unbacked_claims(records, own, own_id="a") == {"x": (16, sha("x16"))}
     # all honest peers on step 11: the claim moves nobody and makes no search stale
     records = view({"b": honest, "c": honest, "x": [*history("h", 11), *history("x", 16, first=12)]})
@@ -60,6 +62,12 @@ def test_two_colluders_of_five_move_nobody():
         # a late joiner, two honest peers against two colluders: only the peer it joined through breaks the tie
         assert choose_target(records, [(0, sha("init"))], fresh=True, own_id="a") is None
         assert choose_target(records, [(0, sha("init"))], fresh=True, own_id="a", anchors={"b"}) == Target(9, sha("h9"), "fresh")
+    # two colluders that start with us and claim a history through our start: beside the one honest peer at our
+    # start, theirs is no majority, fresh or not (it was: the honest peers took a made-up step 5 of theirs)
+    made_up = [(0, sha("init")), *history("x", 5, first=1)]
+    start = view({"b": [(0, sha("init"))], "x": made_up, "y": made_up})
+    for fresh in (True, False):
+        assert choose_target(start, [(0, sha("init"))], fresh=fresh, own_id="a") is None
     early = view({"b": history("h", 5), "c": history("h", 5), "x": history("h", 5)})
     assert choose_target(early, history("h", 0), fresh=True, own_id="a") == Target(5, sha("h5"), "majority")
 

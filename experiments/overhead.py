@@ -1,0 +1,468 @@
+"""What the swarm costs in throughput: N peers' tokens/s against the same N processes trained bare, in one run.
+
+    python scripts/bench_overhead.py --out runs/overhead [--peers 3] [--inner-steps 50] [--outer-steps 6]
+        [--threads 1] [--batch-size 16] [--seq-len 128] [-- extra peer flags]
+
+Two phases, one after the other, on the same machine, model, data shards, batch and threads:
+
+1. **bare**: N worker processes (``python -m experiments.overhead``, below), each the plain PyTorch loop of a peer's
+   inner step (forward, backward, clip, AdamW, ``loss.item()``: ``Learner.inner_step`` without the swarm) on shard i
+   of N, with no communication at all. Each builds its model, data and AdamW as a peer does, says it is ready, and
+   waits for the launcher's go (a file), so that all N train concurrently from the same moment. Each runs
+   ``--warmup-steps`` untimed steps, then times H x S steps. **Bare tokens/s = tokens of the timed steps / wall
+   time of the timed steps** (data loading included, as the learner counts it in ``compute_s``).
+2. **swarm**: the same N processes as a local swarm of p2p-diloco peers (``LocalSwarm``, ``--wait-for-peers N``,
+   ``--inner-steps H``, ``--max-outer-steps S``). **Swarm tokens/s = the last metrics record's ``tokens`` / its
+   ``time_s``**: every token the peer trained, over the wall time from the moment it began training (after
+   ``--wait-for-peers``: the learner restarts the clock there) to its last record (written when its last
+   averaging landed; a peer trains on while that averaging is in flight, so it trains a little more than H x S
+   steps). That is the record's own ``tokens_per_s`` field, unrounded. It includes everything a peer does around
+   its inner steps: waits for the network (``blocked_s``), the held-out evaluation after each outer step
+   (``eval_s``), the outer step, progress records, and the CPU its DHT, averager and ``p2pd`` processes take from
+   the training. Its warm-up steps are in it too (a peer cannot leave them out); the bare phase reports its rate
+   with the warm-up as well (``tokens_per_s_with_warmup``).
+
+The ratio is sum of swarm tokens/s over sum of bare tokens/s. Beside it: per peer, the fractions of its wall time
+that went to inner steps, waiting and evaluation (the init evaluation, before the clock starts, left out), and its
+tokens per second of inner-step compute alone (how much the background processes slowed the steps themselves).
+Writes ``overhead.json`` and ``overhead.md`` under ``--out``, each phase's logs and metrics in ``bare/`` and ``swarm/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from p2p_diloco.cli.peer_processes import LocalSwarm, PeerProcess, last_log_line, start_peer, wait_for_ready
+from p2p_diloco.observe.report import read_metrics
+
+WORKER_ENTRY = ["-m", "experiments.overhead"]  # the bare worker: this module run as a program
+GO_FILE = "go"  # in the bare phase's folder: written once every worker is ready; its content is the start time
+# flags this benchmark sets on every process itself: taking them after `--` too would break the pairing
+RESERVED_FLAGS = ("--inner-steps", "--max-outer-steps", "--threads", "--batch-size", "--seq-len", "--wait-for-peers",
+                  "--shard-index", "--num-shards", "--metrics-file", "--ready-file", "--host-maddrs", "--initial-peers",
+                  "--max-time-s")
+
+
+# the two phases' flags ---------------------------------------------------------------------------------------
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(this benchmark's own flags, the peer flags after ``--``). Raises ValueError for a reserved peer flag."""
+    if "--" in argv:
+        at = argv.index("--")
+        own, extra = argv[:at], argv[at + 1:]
+    else:
+        own, extra = list(argv), []
+    for token in extra:
+        name = token.split("=", 1)[0]
+        if name in RESERVED_FLAGS:
+            raise ValueError(f"{name} is set by this benchmark (use its own flag, if it has one), not after --")
+    return own, extra
+
+
+def common_flags(args: argparse.Namespace) -> list[str]:
+    return ["--threads", str(args.threads), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+            "--inner-steps", str(args.inner_steps)]
+
+
+def bare_flags(args: argparse.Namespace, extra: list[str], go_file: Path) -> list[str]:
+    """What each bare worker gets: the peers' flags, H x S timed steps, and the file that says go."""
+    steps = args.inner_steps * args.outer_steps
+    return [*common_flags(args), *extra, "--steps", str(steps), "--warmup-steps", str(args.warmup_steps),
+            "--go-file", str(go_file)]
+
+
+def swarm_flags(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """What each peer gets (``--run-id`` first, so that one after ``--`` replaces it)."""
+    return ["--run-id", "overhead", *common_flags(args), "--wait-for-peers", str(args.peers),
+            "--max-outer-steps", str(args.outer_steps), *extra]
+
+
+# figures from what the processes wrote (pure) ------------------------------------------------------------------
+
+
+def _rate(tokens: float, seconds: float) -> float | None:
+    return tokens / seconds if seconds > 0 else None
+
+
+def bare_figures(record: dict) -> dict[str, Any]:
+    """One bare worker's figures from its result record (``worker_main`` writes it)."""
+    tokens, wall = record["tokens"], record["wall_s"]
+    warmup_tokens = record["warmup_steps"] * record["tokens_per_step"]
+    return dict(
+        steps=record["steps"],
+        tokens=tokens,
+        wall_s=wall,
+        tokens_per_s=_rate(tokens, wall),
+        compute_tokens_per_s=_rate(tokens, record["compute_s"]),
+        tokens_per_s_with_warmup=_rate(tokens + warmup_tokens, wall + record["warmup_s"]),
+        warmup_s=record["warmup_s"],
+        unix_start=record["unix_start"],
+        unix_end=record["unix_end"],
+    )
+
+
+def swarm_figures(records: list[dict]) -> dict[str, Any]:
+    """One peer's figures from its metrics records: tokens over the wall time from the start of its training to its
+    last record, and where that time went. Cumulative counters are taken net of the ``init`` record's (its
+    evaluation ran before the clock of ``time_s`` started). Raises ValueError if it recorded no training."""
+    init = next((r for r in records if r.get("status") == "init"), None)
+    trained = [r for r in records if r.get("status") != "init"]
+    if not trained or trained[-1]["time_s"] <= 0:
+        raise ValueError("no record after the init record: the peer trained nothing it recorded")
+    last = trained[-1]
+    base = {key: (init or {}).get(key) or 0.0 for key in ("compute_s", "blocked_s", "eval_s")}
+    wall = last["time_s"]
+    compute, blocked, evaluating = (last[key] - base[key] for key in ("compute_s", "blocked_s", "eval_s"))
+    return dict(
+        outer_steps=last["outer_step"],
+        rounds_ok=sum(r.get("status") == "ok" for r in trained),
+        steps=sum(r.get("inner_steps", 0) for r in trained),
+        tokens=last["tokens"],
+        wall_s=wall,
+        tokens_per_s=_rate(last["tokens"], wall),
+        compute_tokens_per_s=_rate(last["tokens"], compute),
+        compute_fraction=compute / wall,
+        blocked_fraction=blocked / wall,
+        eval_fraction=evaluating / wall,
+        other_fraction=1.0 - (compute + blocked + evaluating) / wall,
+        blocked_s=blocked,
+        eval_s=evaluating,
+        unix_start=last["unix_time"] - wall,
+        unix_end=last["unix_time"],
+    )
+
+
+def concurrency(windows: list[tuple[float, float]]) -> float | None:
+    """The time all processes ran at once, as a fraction of the mean window: 1.0 = all began and ended together."""
+    if not windows:
+        return None
+    together = min(end for _, end in windows) - max(start for start, _ in windows)
+    mean = sum(end - start for start, end in windows) / len(windows)
+    return max(together, 0.0) / mean if mean > 0 else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarise(bare: dict[str, dict], swarm: dict[str, dict], peers: int) -> dict[str, Any]:
+    """Process i of each phase side by side (both on shard i of N), the sums and the ratio swarm / bare, from the
+    figures of ``bare_figures`` and ``swarm_figures`` (by name: ``bare{i}`` and ``peer{i}``)."""
+    rows = []
+    for index in range(peers):
+        b, s = bare.get(f"bare{index}"), swarm.get(f"peer{index}")
+        rows.append(dict(
+            process=index,
+            bare_tokens_per_s=b and b["tokens_per_s"],
+            swarm_tokens_per_s=s and s["tokens_per_s"],
+            ratio=_ratio(s and s["tokens_per_s"], b and b["tokens_per_s"]),
+            bare_compute_tokens_per_s=b and b["compute_tokens_per_s"],
+            swarm_compute_tokens_per_s=s and s["compute_tokens_per_s"],
+            compute_ratio=_ratio(s and s["compute_tokens_per_s"], b and b["compute_tokens_per_s"]),
+            swarm_blocked_fraction=s and s["blocked_fraction"],
+            swarm_eval_fraction=s and s["eval_fraction"],
+            swarm_other_fraction=s and s["other_fraction"],
+        ))
+    complete = all(r["bare_tokens_per_s"] and r["swarm_tokens_per_s"] for r in rows)
+
+    def total(key: str) -> float | None:
+        values = [r[key] for r in rows]
+        return sum(values) if all(v is not None for v in values) else None
+
+    bare_sum, swarm_sum = total("bare_tokens_per_s"), total("swarm_tokens_per_s")
+    return dict(
+        complete=complete,
+        per_process=rows,
+        bare_tokens_per_s_sum=bare_sum,
+        swarm_tokens_per_s_sum=swarm_sum,
+        ratio=_ratio(swarm_sum, bare_sum),
+        compute_ratio=_ratio(total("swarm_compute_tokens_per_s"), total("bare_compute_tokens_per_s")),
+        bare_concurrency=concurrency([(f["unix_start"], f["unix_end"]) for f in bare.values()]),
+        swarm_concurrency=concurrency([(f["unix_start"], f["unix_end"]) for f in swarm.values()]),
+    )
+
+
+def _cell(value: float | None, form: str) -> str:
+    return "—" if value is None else format(value, form)
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    lines = [
+        "| process | bare tok/s | swarm tok/s | swarm / bare | compute tok/s bare | compute tok/s swarm | "
+        "swarm blocked | swarm eval | swarm other |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in summary["per_process"]:
+        lines.append(
+            f"| {r['process']} | {_cell(r['bare_tokens_per_s'], ',.0f')} | {_cell(r['swarm_tokens_per_s'], ',.0f')} | "
+            f"{_cell(r['ratio'], '.3f')} | {_cell(r['bare_compute_tokens_per_s'], ',.0f')} | "
+            f"{_cell(r['swarm_compute_tokens_per_s'], ',.0f')} | {_cell(r['swarm_blocked_fraction'], '.1%')} | "
+            f"{_cell(r['swarm_eval_fraction'], '.1%')} | {_cell(r['swarm_other_fraction'], '.1%')} |"
+        )
+    s = summary
+    lines.append(f"| **sum** | {_cell(s['bare_tokens_per_s_sum'], ',.0f')} | {_cell(s['swarm_tokens_per_s_sum'], ',.0f')} | "
+                 f"**{_cell(s['ratio'], '.3f')}** | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+# the bare worker (a process of the bare phase) --------------------------------------------------------------
+
+
+def worker_main(argv: list[str] | None = None, prog: str = "python -m experiments.overhead") -> int:
+    """One process of the bare phase: build the model, data shard and AdamW exactly as a peer's learner does
+    (``Learner.__init__``; threads and data through ``open_process_inputs``), write the ready file, wait for the go
+    file, run ``--warmup-steps`` then ``--steps`` inner steps as ``Learner.inner_step`` computes them, and write one
+    record to ``--metrics-file``. Takes every peer flag; those of the swarm are accepted and ignored."""
+    from p2p_diloco.cli.flags import OneLineParser, add_peer_flags, overrides_from
+    from p2p_diloco.cli.peer import fail, open_process_inputs
+    from p2p_diloco.cli.ready import write_ready_file
+    from p2p_diloco.core.config_load import build_config
+
+    parser = OneLineParser(prog=prog, description="One bare training process of scripts/bench_overhead.py.")
+    parser.add_argument("--steps", type=int, required=True, help="inner steps timed")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="inner steps before the timed ones (default 2)")
+    parser.add_argument("--go-file", required=True, help="begin training once this file exists")
+    parser.add_argument("--go-timeout-s", type=float, default=600.0, help="give up if no go by then (default 600)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with the peer's config sections; flags override it")
+    add_peer_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = build_config(overrides_from(args))
+        if args.steps < 1 or args.warmup_steps < 0:
+            raise ValueError("--steps must be >= 1 and --warmup-steps >= 0")
+        dataset, sink = open_process_inputs(config)  # torch's threads, this shard, the metrics file: as a peer
+    except (ValueError, OSError) as e:
+        return fail(prog, str(e))
+    import torch
+
+    from p2p_diloco.train.island import Island
+    from p2p_diloco.train.model import build_model
+
+    island = Island.from_environment({}, 0.0, device=config.run.device, precision=config.inner.precision)
+    model = build_model(config.model, config.run.seed)
+    train_model = island.wrap(model)
+    params = list(model.parameters())
+    inner = torch.optim.AdamW(params, lr=config.inner.lr, weight_decay=config.inner.weight_decay)
+    clip, throttle = config.inner.grad_clip_norm, config.inner.throttle
+
+    def inner_step() -> tuple[int, float, float]:
+        """``Learner.inner_step`` without the swarm: (tokens, loss, seconds)."""
+        started = time.monotonic()
+        model.train()
+        inputs, targets = dataset.train.next_batch()
+        with island.autocast():
+            loss = train_model(inputs.to(island.device), targets.to(island.device))
+        inner.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        inner.step()
+        if throttle > 1:
+            time.sleep((throttle - 1) * (time.monotonic() - started))
+        value = loss.item()
+        return inputs.numel(), value, time.monotonic() - started
+
+    if config.run.ready_file:  # the launcher says go once every worker has written its ready file
+        write_ready_file(config.run.ready_file, f"bare-{config.data.shard_index}", None, [])
+    deadline = time.monotonic() + args.go_timeout_s
+    go = Path(args.go_file)
+    while not go.exists():
+        if time.monotonic() >= deadline:
+            sink.close()
+            return fail(prog, f"no go file {go} within {args.go_timeout_s:.0f} s", code=1)
+        time.sleep(0.005)
+    warmup_started = time.monotonic()
+    for _ in range(args.warmup_steps):
+        inner_step()
+    warmup_s = time.monotonic() - warmup_started
+    tokens, losses, compute_s = 0, [], 0.0
+    unix_start, started = time.time(), time.monotonic()
+    for _ in range(args.steps):
+        step_tokens, loss, seconds = inner_step()
+        tokens += step_tokens
+        losses.append(loss)
+        compute_s += seconds
+    wall_s = time.monotonic() - started
+    record = dict(
+        status="bare", shard_index=config.data.shard_index, steps=args.steps, warmup_steps=args.warmup_steps,
+        tokens_per_step=dataset.train.tokens_per_batch, tokens=tokens, wall_s=round(wall_s, 4),
+        compute_s=round(compute_s, 4), warmup_s=round(warmup_s, 4), unix_start=round(unix_start, 3),
+        unix_end=round(unix_start + wall_s, 3), loss=sum(losses) / len(losses), threads=torch.get_num_threads(),
+        device=str(island.device), tokens_per_s=round(tokens / wall_s, 1),
+    )
+    sink.write(record)
+    sink.close()
+    print(f"bare shard {config.data.shard_index}: {args.steps} steps, {tokens:,} tokens in {wall_s:.2f} s "
+          f"({tokens / wall_s:,.0f} tokens/s)", flush=True)
+    return 0
+
+
+# the phases -----------------------------------------------------------------------------------------------
+
+
+def _groups_left(processes: list[PeerProcess]) -> list[str]:
+    """Names of the processes whose process group still has a member (none should, once a phase is over)."""
+    left = []
+    for peer in processes:
+        try:
+            os.killpg(peer.process.pid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            pass
+        left.append(peer.name)
+    return left
+
+
+def run_bare(out_dir: Path, flags: list[str], peers: int, timeout_s: float) -> tuple[dict[str, dict], dict[str, Any]]:
+    """The bare phase: start the N workers, say go once all are ready, wait for them; (figures by name, phase info)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    go = out_dir / GO_FILE
+    go.unlink(missing_ok=True)
+    processes: list[PeerProcess] = []
+    info: dict[str, Any] = dict(load_average_before=os.getloadavg())
+    try:
+        for index in range(peers):
+            shard = ["--shard-index", str(index), "--num-shards", str(peers)]
+            processes.append(start_peer(f"bare{index}", out_dir, [*flags, *shard], None, entry=WORKER_ENTRY))
+        wait_for_ready(processes, timeout_s=300)
+        go.write_text(f"{time.time():.3f}\n")
+        deadline = time.monotonic() + timeout_s
+        while any(p.alive for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    except RuntimeError as e:  # a worker died before it was ready, or not all were ready in time
+        info.setdefault("errors", {})["bare"] = str(e).splitlines()[0]
+    finally:
+        for peer in processes:
+            peer.terminate()
+        info["pids"] = {peer.name: peer.process.pid for peer in processes}
+        info["exit_codes"] = {peer.name: peer.stop(grace_s=10) for peer in processes}
+        info["process_groups_left"] = _groups_left(processes)
+    figures = {}
+    for peer in processes:
+        records = [r for r in read_metrics(peer.metrics_file) if r.get("status") == "bare"] if peer.metrics_file.exists() else []
+        if records:
+            figures[peer.name] = bare_figures(records[-1])
+        else:
+            info.setdefault("errors", {})[peer.name] = last_log_line(peer)
+    return figures, info
+
+
+def run_swarm(out_dir: Path, flags: list[str], peers: int, timeout_s: float) -> tuple[dict[str, dict], dict[str, Any]]:
+    """The swarm phase: N peers of a local swarm, run until each stops by itself (``--max-outer-steps``)."""
+    swarm = LocalSwarm(out_dir, flags)
+    info: dict[str, Any] = dict(load_average_before=os.getloadavg())
+    try:
+        for index in range(peers):
+            swarm.start(f"peer{index}", shard=index, num_shards=peers)
+        swarm.wait_all_exited(timeout_s)
+    except RuntimeError as e:
+        info.setdefault("errors", {})["swarm"] = str(e).splitlines()[0]
+    finally:
+        info["pids"] = {name: peer.process.pid for name, peer in swarm.peers.items()}
+        info["exit_codes"] = swarm.stop_all()
+        info["process_groups_left"] = _groups_left(list(swarm.peers.values()))
+    figures = {}
+    for name in swarm.peers:
+        try:
+            figures[name] = swarm_figures(swarm.records(name))
+        except ValueError as e:
+            info.setdefault("errors", {})[name] = f"{e}; {swarm.log_tail(name, 1)}"
+    return figures, info
+
+
+# command line ---------------------------------------------------------------------------------------------
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    from p2p_diloco.cli.flags import OneLineParser
+
+    parser = OneLineParser(prog=prog, description="The ratio of a local swarm's tokens/s to the same N processes "
+                           "trained bare (no communication), in one run. Peer flags go after --.")
+    parser.add_argument("--out", required=True, help="folder for overhead.json, overhead.md and each phase's logs")
+    parser.add_argument("--peers", type=int, default=3, help="processes in each phase (default 3)")
+    parser.add_argument("--inner-steps", type=int, default=50, help="H of the swarm (default 50)")
+    parser.add_argument("--outer-steps", type=int, default=6, help="S: the swarm's --max-outer-steps; the bare "
+                        "processes time H x S steps (default 6)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default 16)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps of each bare process first (default 2)")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit of each phase once started (default 1800)")
+    return parser
+
+
+def _check_peer_flags(args: argparse.Namespace, flags: list[str]) -> None:
+    """Raises ValueError with a one-line reason for flags a peer would refuse (without starting anything)."""
+    from p2p_diloco.cli.flags import OneLineParser, add_peer_flags, overrides_from
+    from p2p_diloco.core.config_load import build_config
+
+    if args.peers < 1 or args.inner_steps < 1 or args.outer_steps < 1 or args.warmup_steps < 0:
+        raise ValueError("--peers, --inner-steps and --outer-steps must be >= 1, --warmup-steps >= 0")
+    parser = OneLineParser(prog="peer flags")
+    parser.add_argument("--config")
+    add_peer_flags(parser)
+    build_config(overrides_from(parser.parse_args(flags)))
+
+
+def main(argv: list[str] | None = None, prog: str = "bench_overhead.py") -> int:
+    from p2p_diloco.cli.peer import fail
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        own, extra = split_argv(argv)
+    except ValueError as e:
+        return fail(prog, str(e))
+    args = _parser(prog).parse_args(own)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    peer_flags = swarm_flags(args, extra)
+    try:
+        _check_peer_flags(args, peer_flags)
+    except ValueError as e:
+        return fail(prog, str(e))
+    settings = dict(
+        command=f"{prog} {' '.join(argv)}", peers=args.peers, inner_steps=args.inner_steps, outer_steps=args.outer_steps,
+        bare_steps=args.inner_steps * args.outer_steps, warmup_steps=args.warmup_steps, threads=args.threads,
+        batch_size=args.batch_size, seq_len=args.seq_len, extra_peer_flags=extra, peer_flags=peer_flags,
+        cpu_count=os.cpu_count(),
+    )
+    print(f"bare: {args.peers} processes x {settings['bare_steps']} steps (after {args.warmup_steps} warm-up steps)", flush=True)
+    bare, bare_info = run_bare(out / "bare", bare_flags(args, extra, out / "bare" / GO_FILE), args.peers, args.timeout_s)
+    for name, f in sorted(bare.items()):
+        print(f"  {name}: {f['tokens']:,} tokens in {f['wall_s']:.2f} s = {f['tokens_per_s']:,.0f} tokens/s", flush=True)
+    print(f"swarm: {args.peers} peers, H = {args.inner_steps}, {args.outer_steps} outer steps", flush=True)
+    swarm, swarm_info = run_swarm(out / "swarm", peer_flags, args.peers, args.timeout_s)
+    for name, f in sorted(swarm.items()):
+        print(f"  {name}: {f['tokens']:,} tokens in {f['wall_s']:.2f} s = {f['tokens_per_s']:,.0f} tokens/s "
+              f"({f['outer_steps']} outer steps, blocked {f['blocked_fraction']:.1%}, eval {f['eval_fraction']:.1%})",
+              flush=True)
+    summary = summarise(bare, swarm, args.peers)
+    result = dict(settings=settings, summary=summary, bare=dict(processes=bare, **bare_info),
+                  swarm=dict(processes=swarm, **swarm_info))
+    table = markdown_table(summary)
+    headline = (f"swarm / bare tokens/s = {_cell(summary['ratio'], '.3f')} ({args.peers} processes, "
+                f"{args.threads} thread(s) each, batch {args.batch_size} x {args.seq_len}, H = {args.inner_steps}, "
+                f"{args.outer_steps} outer steps)")
+    (out / "overhead.json").write_text(json.dumps(result, indent=1))
+    (out / "overhead.md").write_text(f"{headline}\n\n{table}")
+    print(f"\n{table}\n{headline}", flush=True)
+    left = bare_info["process_groups_left"] + swarm_info["process_groups_left"]
+    errors = {**bare_info.get("errors", {}), **swarm_info.get("errors", {})}
+    for name, error in errors.items():
+        print(f"{prog}: {name}: {error}", file=sys.stderr, flush=True)
+    if left:
+        print(f"{prog}: processes still running after the run: {', '.join(left)}", file=sys.stderr, flush=True)
+    print(f"results: {out / 'overhead.json'}  {out / 'overhead.md'}", flush=True)
+    return 0 if summary["complete"] and not left and not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

@@ -1,0 +1,114 @@
+"""The overhead benchmark's bookkeeping (scripts/bench_overhead.py): flags of each phase, figures from fake worker
+records and metrics records, the sums and the ratio, the table; the runs themselves are the script's job."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from experiments.overhead import (
+    bare_figures,
+    bare_flags,
+    concurrency,
+    markdown_table,
+    split_argv,
+    summarise,
+    swarm_figures,
+    swarm_flags,
+)
+
+
+def _args(**changes) -> argparse.Namespace:
+    values = dict(peers=3, inner_steps=50, outer_steps=6, threads=1, batch_size=16, seq_len=128, warmup_steps=2)
+    return argparse.Namespace(**{**values, **changes})
+
+
+def _bare_record(tokens_per_s: float, steps: int = 300, start: float = 1000.0) -> dict:
+    tokens = steps * 2048
+    wall = tokens / tokens_per_s
+    return dict(status="bare", steps=steps, warmup_steps=2, tokens_per_step=2048, tokens=tokens, wall_s=wall,
+                compute_s=0.98 * wall, warmup_s=1.0, unix_start=start, unix_end=start + wall)
+
+
+def _peer_records(tokens: int, wall: float, compute: float, blocked: float, eval_s: float, init_eval: float = 0.5,
+                  start: float = 1000.0) -> list[dict]:
+    """An init record (its evaluation before the clock starts), a middle record and the last one."""
+    init = dict(status="init", outer_step=0, time_s=init_eval, unix_time=start - 2.0, tokens=0, inner_steps=0,
+                compute_s=0.0, blocked_s=0.0, eval_s=init_eval)
+    middle = dict(status="ok", outer_step=1, time_s=wall / 2, unix_time=start + wall / 2, tokens=tokens // 2,
+                  inner_steps=150, compute_s=compute / 2, blocked_s=blocked / 2, eval_s=init_eval + eval_s / 2)
+    last = dict(status="ok", outer_step=2, time_s=wall, unix_time=start + wall, tokens=tokens, inner_steps=160,
+                compute_s=compute, blocked_s=blocked, eval_s=init_eval + eval_s)
+    return [init, middle, last]
+
+
+def test_flags_of_the_two_phases_pair_up():
+    args = _args()
+    own, extra = split_argv(["--out", "x", "--peers", "3", "--", "--compression", "int4"])
+    assert own == ["--out", "x", "--peers", "3"] and extra == ["--compression", "int4"]
+    bare = bare_flags(args, extra, Path("go"))
+    assert bare[bare.index("--steps") + 1] == "300"  # H x S steps, timed
+    swarm = swarm_flags(args, extra)
+    assert swarm[swarm.index("--max-outer-steps") + 1] == "6" and swarm[swarm.index("--wait-for-peers") + 1] == "3"
+    for flag, value in (("--threads", "1"), ("--batch-size", "16"), ("--seq-len", "128"), ("--inner-steps", "50")):
+        assert bare[bare.index(flag) + 1] == value == swarm[swarm.index(flag) + 1]
+    assert "--compression" in bare and "--compression" in swarm
+    with pytest.raises(ValueError, match="--batch-size"):
+        split_argv(["--out", "x", "--", "--batch-size=8"])  # would break the pairing: refused
+
+
+def test_bare_rate_is_tokens_of_the_timed_steps_over_their_wall_time():
+    f = bare_figures(_bare_record(10_000.0))
+    assert f["tokens"] == 300 * 2048
+    assert f["tokens_per_s"] == pytest.approx(10_000.0)
+    assert f["compute_tokens_per_s"] == pytest.approx(10_000.0 / 0.98)
+    # the warm-up's 2 steps and 1 s, added back
+    assert f["tokens_per_s_with_warmup"] == pytest.approx(302 * 2048 / (300 * 2048 / 10_000.0 + 1.0))
+
+
+def test_swarm_rate_and_fractions_leave_the_init_evaluation_out():
+    f = swarm_figures(_peer_records(tokens=640_000, wall=80.0, compute=64.0, blocked=8.0, eval_s=4.0))
+    assert f["tokens_per_s"] == pytest.approx(8_000.0)  # 640k tokens / 80 s since training began
+    assert f["compute_tokens_per_s"] == pytest.approx(10_000.0)
+    assert f["blocked_fraction"] == pytest.approx(0.1)
+    assert f["eval_fraction"] == pytest.approx(0.05)  # 4 s; the init record's 0.5 s ran before the clock
+    assert f["other_fraction"] == pytest.approx(0.05)
+    assert f["steps"] == 310 and f["outer_steps"] == 2 and f["rounds_ok"] == 2
+    assert f["unix_start"] == pytest.approx(1000.0) and f["unix_end"] == pytest.approx(1080.0)
+    with pytest.raises(ValueError):
+        swarm_figures(_peer_records(1, 1.0, 1.0, 0.0, 0.0)[:1])  # the init record alone: nothing trained
+
+
+def test_sums_and_ratio():
+    bare = {f"bare{i}": bare_figures(_bare_record(rate)) for i, rate in enumerate([10_000.0, 10_000.0, 12_000.0])}
+    swarm = {f"peer{i}": swarm_figures(_peer_records(tokens, 80.0, 64.0, 8.0, 4.0))
+             for i, tokens in enumerate([640_000, 720_000, 800_000])}
+    s = summarise(bare, swarm, peers=3)
+    assert s["complete"]
+    assert s["bare_tokens_per_s_sum"] == pytest.approx(32_000.0)
+    assert s["swarm_tokens_per_s_sum"] == pytest.approx(27_000.0)  # 8k + 9k + 10k
+    assert s["ratio"] == pytest.approx(27_000.0 / 32_000.0)
+    assert [r["ratio"] for r in s["per_process"]] == pytest.approx([0.8, 0.9, 10_000 / 12_000])
+    assert s["per_process"][0]["swarm_blocked_fraction"] == pytest.approx(0.1)
+    table = markdown_table(s)
+    assert "| **sum** | 32,000 | 27,000 | **0.844** |" in table
+    assert "| 1 | 10,000 | 9,000 | 0.900 |" in table
+
+
+def test_a_missing_process_leaves_the_sum_out_instead_of_understating_it():
+    bare = {"bare0": bare_figures(_bare_record(10_000.0)), "bare1": bare_figures(_bare_record(10_000.0))}
+    swarm = {"peer0": swarm_figures(_peer_records(640_000, 80.0, 64.0, 8.0, 4.0))}
+    s = summarise(bare, swarm, peers=2)
+    assert not s["complete"]
+    assert s["swarm_tokens_per_s_sum"] is None and s["ratio"] is None
+    assert s["per_process"][1]["swarm_tokens_per_s"] is None
+    assert "| 1 | 10,000 | — | — |" in markdown_table(s)
+
+
+def test_concurrency_of_the_windows():
+    assert concurrency([(0.0, 10.0), (0.0, 10.0)]) == pytest.approx(1.0)
+    assert concurrency([(0.0, 10.0), (5.0, 15.0)]) == pytest.approx(0.5)
+    assert concurrency([(0.0, 1.0), (2.0, 3.0)]) == 0.0
+    assert concurrency([]) is None
