@@ -58,7 +58,7 @@ HONEST = ("honest0", "honest1", "honest2")
 BYSTANDER_OUTER_STEPS = 1_000_000  # it trains until the scenario stops it with the others
 LATE_START_S = 8.0  # honest2 begins this much after the others, when the swarm is a few outer steps ahead
 DEFAULT_FLAGS = [
-    "--n-layers", "2", "--d-model", "64", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
+    "--eval-every", "1", "--n-layers", "2", "--d-model", "64", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
     "--inner-steps", "80", "--matchmaking-time-s", "3", "--averaging-timeout-s", "30", "--chunk-timeout-s", "4",
     "--state-timeout-s", "30", "--compression", "int8", "--progress-period-s", "1", "--progress-idle-period-s", "1", "--checkpoint-every", "100",
 ]

@@ -310,7 +310,7 @@ def write_outputs(out_dir: Path, summaries: dict[str, dict], comparison: dict, s
     return table
 
 
-BENCH_PEER_DEFAULTS = ["--inner-steps", "100", "--matchmaking-time-s", "5", "--run-id", "bench"]
+BENCH_PEER_DEFAULTS = ["--eval-every", "1", "--inner-steps", "100", "--matchmaking-time-s", "5", "--run-id", "bench"]
 _OWN_FLAGS = {"--out", "--quick", "--peers", "--bandwidth-mbit", "--methods", "--duration-s", "--syncdp-max-time-s", "--prefix",
               "--startup-s"}
 

@@ -67,7 +67,7 @@ class ChaosSwarm:
     def _flags(self, name: str, index: int) -> list[str]:
         remaining = max(30.0, self.max_time_s - (time.time() - self.started_at))
         return [
-            *self.flags,
+            "--eval-every", "1", *self.flags,  # a held-out loss at every outer step: the run's curve
             "--shard-index", str(index), "--num-shards", str(self.count),
             "--checkpoint-dir", str(self.checkpoint_dir(name)), "--checkpoint-every", "1",
             "--max-time-s", f"{remaining:.0f}",

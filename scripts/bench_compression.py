@@ -47,6 +47,7 @@ def main() -> int:
     parser.add_argument("--outer-steps", type=int, default=12)
     parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS)
     args, flags = parser.parse_known_args()
+    flags = ["--eval-every", "1", *flags]  # a held-out loss at every outer step: the curves compare codecs
     if not any(f.startswith("--tokens-per-round") for f in flags):
         flags += ["--tokens-per-round", str(args.peers * 20 * 16 * 128)]  # H=20 per peer at the default batch
     out = Path(args.out)

@@ -72,6 +72,7 @@ def main() -> int:
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=8)
     args, flags = parser.parse_known_args()
+    flags = ["--eval-every", "1", *flags]  # a held-out loss at every outer step: the curves compare settings
     if not any(f.startswith("--tokens-per-round") for f in flags):
         flags += ["--tokens-per-round", str(args.peers * 30 * 16 * 128)]
     out = Path(args.out)

@@ -39,6 +39,7 @@ def main() -> int:
     parser.add_argument("--throttle", type=float, default=3.0, help="slow-down of the last peer in the mixed run")
     parser.add_argument("--duration-s", type=float, default=150.0, help="wall time of each swarm")
     args, flags = parser.parse_known_args()
+    flags = ["--eval-every", "1", *flags]  # a held-out loss at every outer step: the curves compare settings
     out = Path(args.out)
     uniform = run_swarm(out / "uniform", [1.0] * args.peers, args.duration_s, flags)
     mixed = run_swarm(out / "mixed", [1.0] * (args.peers - 1) + [args.throttle], args.duration_s, flags)

@@ -61,7 +61,7 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
             meta, default = spec.metadata, spec.default
             shown = _default_text(default)  # unless the help says what the default means already: "(0: no limit)"
             help = meta["help"] if f"({shown}:" in meta["help"] else f"{meta['help']} (default {shown})"
-            options: dict[str, Any] = dict(default=argparse.SUPPRESS, help=help)
+            options: dict[str, Any] = dict(default=argparse.SUPPRESS, help=help.replace("%", "%%"))
             if isinstance(default, bool):
                 options["action"] = argparse.BooleanOptionalAction
             else:

@@ -217,6 +217,9 @@ class SwarmConfig:
                                    metavar="MULTIADDR")
     relay_service: bool = knob(True, "relay for peers behind a NAT when this peer is reachable (bounded by p2pd's limits)")
     relay_wait_s: float = knob(20.0, "seconds a peer in relay mode waits for its relay to carry a stranger's dial")
+    background_nice: int = knob(5, "raise the nice value of this peer's background work (its DHT, averager and p2pd "
+                                "processes, its progress and averaging threads) by this much, so that on a busy "
+                                "machine the training goes first (0: leave it)", metavar="N")
 
     @property
     def idle_period_s(self) -> float:
@@ -229,6 +232,7 @@ class SwarmConfig:
             f"swarm.run_id must be non-empty letters, digits, '-' or '_', got {show(self.run_id)}",
         )
         _one_of("swarm", "compression", self.compression, COMPRESSIONS)
+        _require(0 <= self.background_nice <= 19, f"swarm.background_nice must be 0..19, got {self.background_nice}")
         for name in ("matchmaking_time_s", "averaging_timeout_s", "chunk_timeout_s", "state_timeout_s",
                      "progress_period_s", "progress_ttl_s", "startup_timeout_s", "relay_wait_s"):
             _require(getattr(self, name) > 0, f"swarm.{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -263,7 +267,8 @@ class RunConfig:
     checkpoint_every: int = knob(10, "outer steps between checkpoints (and one at shutdown)")
     resume: bool = knob(False, "start from the newest readable checkpoint in --checkpoint-dir (a corrupt one is "
                         "reported and the one before it used), then catch up with the swarm if it is ahead")
-    eval_every: int = knob(1, "outer steps between held-out evaluations")
+    eval_every: int = knob(0, "outer steps between held-out evaluations (0: as often as keeps them within 1% of the "
+                           "training compute, and at the last outer step of a run with a step limit)")
     eval_batches: int = knob(4, "batches of the held-out tail per evaluation")
     seed: int = knob(0, "model init seed, the same on every peer of a run; data order uses seed + shard")
     threads: int = knob(1, "torch CPU threads for this peer")
@@ -295,7 +300,7 @@ class RunConfig:
         _require(self.max_time_s >= 0, f"run.max_time_s must be >= 0 seconds, got {self.max_time_s}")
         _require(self.checkpoint_every >= 1, f"run.checkpoint_every must be >= 1, got {self.checkpoint_every}")
         _require(not self.resume or bool(self.checkpoint_dir), "run.resume needs run.checkpoint_dir (--checkpoint-dir)")
-        _require(self.eval_every >= 1, f"run.eval_every must be >= 1, got {self.eval_every}")
+        _require(self.eval_every >= 0, f"run.eval_every must be >= 0, got {self.eval_every}")
         _require(self.eval_batches >= 1, f"run.eval_batches must be >= 1, got {self.eval_batches}")
         # data order seeds torch generators with seed * 1_000_003 + batch index, which must fit in 64 bits
         _require(0 <= self.seed < 2**32, f"run.seed must be in [0, 2**32), got {self.seed}")

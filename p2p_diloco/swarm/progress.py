@@ -30,6 +30,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from p2p_diloco.core.swarm_view import PLAN_FIELDS, well_formed
+from p2p_diloco.swarm.processes import lower_this_thread
 
 logger = logging.getLogger(__name__)
 _DHT_TIMEOUT_S = 10.0
@@ -157,8 +158,10 @@ class ProgressBeacon:
         bootstrap: Sequence[str] = (),
         pace: Callable[[], float] | None = None,
         push: bool = False,
+        nice: int = 0,
     ):
         self._dht, self._key, self._period_s, self._ttl_s = dht, key, period_s, ttl_s
+        self._nice = nice  # lowers this beacon's thread (swarm/processes.py)
         self._push, self._published = push, 0
         self._last_dht_store = -math.inf  # monotonic
         self._read_peers, self._pace = read_peers, pace
@@ -220,6 +223,7 @@ class ProgressBeacon:
         self._wake.set()
 
     def _loop(self) -> None:
+        lower_this_thread(self._nice)
         period_s = self._period_s
         while True:
             self._wake.wait(period_s)

@@ -30,7 +30,7 @@ from p2p_diloco.swarm.averaging import run_averaging
 from p2p_diloco.swarm.guarded import GuardedAllReduceRunner, GuardedAverager
 from p2p_diloco.swarm.joining import SwarmStartError, first_line, join_swarm, peer_ids_in
 from p2p_diloco.swarm.membership import RunMembership
-from p2p_diloco.swarm.processes import close_dht, kill_if_alive
+from p2p_diloco.swarm.processes import close_dht, kill_if_alive, lower_priority, lower_this_thread
 from p2p_diloco.swarm.progress import ProgressBeacon, ProgressReader
 from p2p_diloco.swarm.wire import WireCodec, part_norms_of, part_values_for
 
@@ -105,7 +105,9 @@ class SwarmLink:
                 bootstrap=config.initial_peers,
                 pace=self._next_period,
                 push=self._push,
+                nice=config.background_nice,
             )
+            lower_priority(config.background_nice, [p.pid for p in (self.dht, self._averager) if p.pid is not None])
             if client:
                 self._beacon.update(client=True)  # others know this peer can't reduce: see average()
         except BaseException:
@@ -280,6 +282,7 @@ class SwarmLink:
         tensors = [t.detach().clone() for t in tensors]
 
         def work() -> None:
+            lower_this_thread(self.config.background_nice)  # compression, hashing, copies: after the training
             try:
                 future.set_result(self.average(tensors, weight, outer_step))
             except Exception as e:  # a bug, not a network failure: report it as a failed round, loudly

@@ -114,6 +114,8 @@ class Learner:
         self.send_rate = SendRate()  # the largest ~1 s burst of averaging traffic since the last record
         self.compute_s = self.blocked_s = 0.0
         self.eval_s = 0.0  # time spent evaluating: measurement, neither training nor waiting
+        self.last_eval_s = 0.0  # how long the last evaluation took (the next one's expected cost)
+        self.last_record_s = 0.0  # seconds since start at the last metrics record
         self.catch_ups = self.forks_healed = 0
         # outer steps this peer's own group made whose bytes came out other here than on its groupmates: the same
         # averaged bytes applied to the same state, so this machine's arithmetic differs (docs/design.md §5)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from p2p_diloco.train.learner import Learner, PendingAveraging
 
 PEAK_WINDOW_S = 1.0  # the window of the largest-burst figure (peak_send_bytes_per_s)
+EVAL_BUDGET = 0.01  # with --eval-every 0: held-out evaluations take at most this share of the training compute
 
 
 @dataclass
@@ -64,6 +65,18 @@ class SendRate:
         return peak
 
 
+def eval_due(outer_step: int, every: int, eval_s: float, last_eval_s: float, compute_s: float, final: bool) -> bool:
+    """Whether to evaluate the held-out loss after ``outer_step``: every ``every`` outer steps; with ``every`` 0,
+    whenever one more evaluation (as long as the last one took) keeps all of them within ``EVAL_BUDGET`` of the
+    training compute so far (the evaluation takes from the training on a busy machine: docs/benchmarks.md,
+    "Where a peer's time goes"); and always at the last outer step of a run with a step limit."""
+    if final:
+        return True
+    if every > 0:
+        return outer_step % every == 0
+    return eval_s + last_eval_s <= EVAL_BUDGET * compute_s
+
+
 @torch.no_grad()
 def evaluate(learner: Learner) -> float:
     """Held-out loss of the *global* params (the model the swarm shares), not of our local progress."""
@@ -86,11 +99,20 @@ def write_record(
     pending: PendingAveraging | None = None,
     traffic: list[int] | None = None,
 ) -> None:
-    evaluate = outcome.status == "init" or (outcome.averaged is not None and learner.outer_step % learner.config.run.eval_every == 0)
+    run = learner.config.run
+    now = time.monotonic()
+    # the last outer step: of a step limit, or of a time limit that another round as long as this one would pass
+    final = 0 < run.max_outer_steps <= learner.outer_step or (
+        run.max_time_s > 0 and 2 * (now - learner.started) - learner.last_record_s >= run.max_time_s)
+    evaluate = outcome.status == "init" or (outcome.averaged is not None and eval_due(
+        learner.outer_step, run.eval_every, learner.eval_s, learner.last_eval_s, learner.compute_s, final))
     eval_started = time.monotonic()
     eval_loss = learner.evaluate() if evaluate else None
-    learner.eval_s += time.monotonic() - eval_started
+    if evaluate:
+        learner.last_eval_s = time.monotonic() - eval_started
+        learner.eval_s += learner.last_eval_s
     elapsed = time.monotonic() - learner.started
+    learner.last_record_s = elapsed
     interval, learner.interval = learner.interval, Interval()
     weight = pending.weight if pending else 0.0
     sent_total, received_total = link.traffic()

@@ -14,7 +14,7 @@ FAST_MODEL_FLAGS = ["--n-layers", "2", "--d-model", "64", "--n-heads", "2"]  # t
 FAST_PEER_FLAGS = [
     *FAST_MODEL_FLAGS, "--seq-len", "64", "--batch-size", "8",
     "--inner-steps", "20", "--matchmaking-time-s", "4", "--averaging-timeout-s", "30", "--chunk-timeout-s", "4",
-    "--state-timeout-s", "30", "--compression", "int8", "--run-id", "itest",
+    "--state-timeout-s", "30", "--compression", "int8", "--run-id", "itest", "--eval-every", "1",
 ]
 
 

@@ -1,0 +1,47 @@
+"""A peer's background work yields to its training (swarm/processes.py, docs/benchmarks.md "Where a peer's time
+goes"): the processes it starts (and theirs) and its background threads get a higher nice value; the trainer's
+own does not change."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from p2p_diloco.swarm.processes import descendants, lower_priority, lower_this_thread
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice values of threads are Linux's")
+
+
+def test_background_processes_and_threads_are_lowered_and_the_trainer_is_not():
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                               "'import time; time.sleep(30)'])"])
+    try:
+        for _ in range(100):  # its child starts a moment later
+            if descendants(parent.pid):
+                break
+            threading.Event().wait(0.05)
+        family = [parent.pid, *descendants(parent.pid)]
+        assert len(family) == 2
+        assert lower_priority(5, [parent.pid]) == 2
+        assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in family] == [min(19, own + 5)] * 2
+        assert lower_priority(0, [parent.pid]) == 0  # 0 leaves them
+        seen: list[int] = []
+
+        def background() -> None:
+            lower_this_thread(3)
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+        thread = threading.Thread(target=background)
+        thread.start()
+        thread.join()
+        assert seen == [min(19, own + 3)] and os.getpriority(os.PRIO_PROCESS, 0) == own
+    finally:
+        for pid in descendants(parent.pid):
+            os.kill(pid, 9)
+        parent.kill()
+        parent.wait()
