@@ -241,4 +241,5 @@ def _print_summary(report: dict, out_dir: Path) -> None:
         cap = f"{link['bandwidth_mbit']} Mbit/s" if link["bandwidth_mbit"] else "uncapped"
         print(f"  peer{link['peer']} link ({cap}, {link['address']}): {link['wire_bytes_sent']:,} B sent, "
               f"{link['wire_bytes_received']:,} B received on the wire")
-    print(f"report: {out_dir / 'report.json'}  plot: {out_dir / 'report.png'}", flush=True)
+    plot = out_dir / "report.png"
+    print(f"report: {out_dir / 'report.json'}" + (f"  plot: {plot}" if plot.exists() else ""), flush=True)
