@@ -71,7 +71,7 @@ def test_killed_during_averaging_resumes_from_its_checkpoint_and_contributes(tmp
         return ["--max-time-s", "200", "--checkpoint-dir", str(tmp_path / f"ckpt{index}"), "--checkpoint-every", "1"]
 
     for index in range(3):
-        swarm.start(f"peer{index}", shard=index, num_shards=3, extra=flags(index))
+        swarm.start(f"peer{index}", shard=index, num_shards=3, extra=[*flags(index), "--wait-for-peers", "3"])
     swarm.wait_until(lambda: all(_grouped(swarm.records(f"peer{i}"), 3) for i in range(3)), 100, "a group of 3")
     victim = swarm.peers["peer2"]
     wait_for_log(victim.log_file, r"averaging started", victim.log_file.stat().st_size, 60)

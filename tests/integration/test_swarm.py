@@ -32,7 +32,7 @@ def _three_founders_then_a_late_joiner(swarm, enough: Callable[[dict[str, list[d
     ``enough`` holds for the records, every peer is stopped (SIGTERM) and must exit cleanly. Returns the records by
     peer. The peers' own time limits only bound a run that goes wrong: the test waits for events, not for a clock."""
     for index in range(3):
-        swarm.start(f"peer{index}", shard=index, num_shards=4, extra=["--max-time-s", "330"])
+        swarm.start(f"peer{index}", shard=index, num_shards=4, extra=["--max-time-s", "330", "--wait-for-peers", "3"])
     swarm.wait_until(lambda: all(_grouped(swarm.records(f"peer{i}"), 3) for i in range(3)), 100, "a group of 3")
     swarm.start("late", shard=3, num_shards=4, extra=["--max-time-s", "300"])
     swarm.wait_until(lambda: _grouped(swarm.records("late"), 2) and enough(swarm.all_records()), 240, what)
@@ -124,7 +124,7 @@ def test_the_idle_pace_keeps_rounds_whole_and_admits_a_late_joiner(tmp_path, rea
 def test_sigkilled_peer_costs_one_timeout_and_survivors_go_on(tmp_path, reaper):
     swarm = local_swarm(tmp_path, reaper)
     for index in range(3):
-        swarm.start(f"peer{index}", shard=index, num_shards=4, extra=["--max-time-s", "150"])
+        swarm.start(f"peer{index}", shard=index, num_shards=4, extra=["--max-time-s", "150", "--wait-for-peers", "3"])
     swarm.wait_until(lambda: all(_grouped(swarm.records(f"peer{i}"), 3) for i in range(3)), 100, "a group of 3")
 
     victim = swarm.peers["peer2"]
@@ -155,7 +155,9 @@ def test_overlap_token_weights_and_a_peer_that_misses_rounds(tmp_path, reaper):
     """Training goes on while averaging; weights are tokens; a peer frozen for a while rejoins without a fork."""
     swarm = local_swarm(tmp_path, reaper)
     for index in range(3):
-        swarm.start(f"peer{index}", shard=index, num_shards=3, extra=["--max-time-s", "180"])  # stopped by the test once it has seen what it needs
+        # stopped by the test once it has seen what it needs; they begin together: a peer that starts seconds before
+        # the others trains alone, and two fresh peers at the start outvote it (history.py), which is not this test's
+        swarm.start(f"peer{index}", shard=index, num_shards=3, extra=["--max-time-s", "180", "--wait-for-peers", "3"])
     swarm.wait_until(lambda: all(_grouped(swarm.records(f"peer{i}"), 3) for i in range(3)), 100, "a group of 3")
 
     frozen = swarm.peers["peer2"]
