@@ -51,14 +51,13 @@ def children_of(pid: int) -> list[int]:
 
 
 def describe(pid: int) -> str:
+    """What a child process of the peer is: ``p2pd``, or the command line of a Python child (DHT, averager)."""
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return "?"
     if "p2pd" in command:
         return "p2pd"
-    if "peer" in command and pid == ROOT:
-        return "trainer"
     comm = Path(f"/proc/{pid}/comm").read_text().strip() if Path(f"/proc/{pid}/comm").exists() else "?"
     return f"child ({comm}): {command[:60]}"
 
@@ -74,8 +73,8 @@ def thread_names(pid: int) -> dict[int, str]:
         return {}
     names = {}
     for match in re.finditer(r'Thread (0x[0-9A-Fa-f]+|\d+) \(([^)]*)\): "([^"]*)"', dump):
-        names_key = match.group(1)
-        names[int(names_key, 16) if names_key.startswith("0x") else int(names_key)] = match.group(3)
+        ident = match.group(1)
+        names[int(ident, 16) if ident.startswith("0x") else int(ident)] = match.group(3)
     return names
 
 
@@ -92,17 +91,12 @@ def snapshot(pid: int) -> dict[str, float]:
     return figures
 
 
-ROOT = 0
-
-
 def main() -> int:
-    global ROOT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pid", type=int)
     parser.add_argument("--window-s", type=float, default=60.0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    ROOT = args.pid
     if not Path(f"/proc/{args.pid}").exists():
         print(f"peer_cpu.py: no process {args.pid}", file=sys.stderr)
         return 2

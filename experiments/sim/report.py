@@ -77,6 +77,14 @@ def _axes(figsize: tuple[float, float]):
     return plt, *plt.subplots(figsize=figsize)
 
 
+def _save(plt, figure, path: Path) -> Path:
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
 def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
     plt, figure, axis = _axes((8, 5))
     for method in dict.fromkeys(r["method"] for r in rows):
@@ -90,11 +98,7 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
     axis.grid(alpha=0.3, which="both")
     axis.legend(fontsize=8, loc="lower left")
     axis.set_title(title, fontsize=10)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def plot_report(goodput: dict, path: Path) -> Path:
@@ -116,11 +120,7 @@ def plot_report(goodput: dict, path: Path) -> Path:
     axis.legend(fontsize=8)
     axis.set_title("1.2M chips, one interruption per chip-year: data-parallel timings fitted, the rest predicted",
                    fontsize=10)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def calibration_markdown(calibration: dict, replay_goodput: float) -> str:
