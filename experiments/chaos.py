@@ -76,7 +76,10 @@ class ChaosSwarm:
     def start_all(self) -> None:
         for index in range(self.count):
             name = f"peer{index}"
-            peer = start_peer(name, self.out_dir, self._flags(name, index), list(self.addresses.values())[:1] or None)
+            # the first start only: all begin training together (a peer that starts seconds early trains alone and is
+            # outvoted back to the start, docs/design.md §4); a restart joins whoever is there
+            flags = [*self._flags(name, index), "--wait-for-peers", str(self.count)]
+            peer = start_peer(name, self.out_dir, flags, list(self.addresses.values())[:1] or None)
             self.processes[name], self.lives[name] = peer, 1
             if index == 0:
                 self.addresses[name] = wait_for_address(peer)

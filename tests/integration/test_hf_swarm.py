@@ -57,9 +57,9 @@ def test_three_peers_train_a_transformers_llama_on_parquet(tmp_path, reaper, mon
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # whatever the libraries cache stays in the test
     swarm = local_swarm(tmp_path / "run", reaper, _write_inputs(tmp_path), built_in_model=False)
     for index in range(3):
-        swarm.start(f"peer{index}", shard=index, num_shards=3)
-    # the first peer trains alone until the others are up (tens of seconds of imports on a busy machine); they
-    # download its state, then all three average together
+        # all three begin together: a peer that starts seconds early (tens of seconds of imports on a busy machine)
+        # trains alone and is outvoted back to the start by the other two (docs/design.md §4)
+        swarm.start(f"peer{index}", shard=index, num_shards=3, extra=["--wait-for-peers", "3"])
     swarm.wait_until(lambda: all(_averaged_in_three(swarm.records(n)) >= ROUNDS_OF_THREE for n in swarm.peers), 180,
                      f"{ROUNDS_OF_THREE} rounds averaged by all three peers")
     assert all(code == 0 for code in swarm.stop_all().values()), swarm.log_tails()
