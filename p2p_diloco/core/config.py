@@ -217,6 +217,9 @@ class SwarmConfig:
                                    metavar="MULTIADDR")
     relay_service: bool = knob(True, "relay for peers behind a NAT when this peer is reachable (bounded by p2pd's limits)")
     relay_wait_s: float = knob(20.0, "seconds a peer in relay mode waits for its relay to carry a stranger's dial")
+    cross_check: bool = knob(False, "average every share of each round twice, by two different reducers, and apply it "
+                             "only where both agree: a lying reducer then fails rounds instead of steering them "
+                             "(twice the averaging bytes; every member of a group must set it alike)")
     background_nice: int = knob(5, "raise the nice value of this peer's background work (its DHT, averager and p2pd "
                                 "processes, its progress and averaging threads) by this much, so that on a busy "
                                 "machine the training goes first (0: leave it)", metavar="N")

@@ -28,7 +28,8 @@ median of the norms that the group's members declared for that part (the bound a
 or, where no norms were declared, ``result_norm_ratio`` times the norm of what it sent itself.
 
 This module is pure torch: it does not know hivemind or who the senders are, only their index in the group.
-It does not detect a reducer that returns a plausible but wrong average (that would need two reducers per part).
+It does not detect a reducer that returns a plausible but wrong average: cross_check.py does, with two reducers per
+share.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class RobustPolicy:
     # a reducer's result may be at most this times the upper median of the part norms the group declared: the
     # clipped mean lies within |c| + tau <= (1 + 2 clip_ratio) honest norms, and the codecs add up to ~10%
     result_median_ratio: float = 6.0
+    # cross-checked averaging (cross_check.py): a share's two averages may differ by this fraction of their norm
+    # (unlike CPUs sum in other orders, and the codec then rounds a few values to the next level)
+    cross_check_tolerance: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("max_norm_ratio", "max_weight_ratio", "weight_margin", "result_norm_ratio", "result_weight_scale_cap",

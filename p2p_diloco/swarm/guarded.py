@@ -20,6 +20,8 @@ It does not decide who is a member (membership.py) nor what a failed round means
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import math
 import multiprocessing as mp
@@ -32,6 +34,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 
+from p2p_diloco.core.cross_check import agreed_limits, disagreeing_shares, second_order, suspects
 from p2p_diloco.core.robust import RobustPolicy, demote_reducers, result_excess, result_problem, robust_average
 from p2p_diloco.swarm.averaging import DilocoAverager, ExactAllReduceRunner, PartialRoundError
 
@@ -110,6 +113,8 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
         )
         # hivemind registers each reducer's result in its container; check it there first, whoever the reducer is
         container = self.tensor_part_container
+        # how many values each position's share holds (hivemind consumes its parts as it sends them)
+        self.share_values = tuple(sum(int(part.numel()) for part, _ in parts) for parts in container._input_parts_by_peer)
         self._register_unchecked = container.register_processed_part
         container.register_processed_part = self._register_checked
 
@@ -175,9 +180,11 @@ class GuardedAverager(DilocoAverager):
     open run. ``policy``: the robust thresholds.
     """
 
-    def __init__(self, *args: Any, membership: Any = None, policy: RobustPolicy | None = None, **kwargs: Any):
-        self.membership, self.policy = membership, policy or RobustPolicy()
+    def __init__(self, *args: Any, membership: Any = None, policy: RobustPolicy | None = None, cross_check: bool = False,
+                 **kwargs: Any):
+        self.membership, self.policy, self.cross_check = membership, policy or RobustPolicy(), cross_check
         self._allowed: dict[str, float] = {}
+        self._view: dict[str, float] = {}  # the parent's copy of the weight limits, declared when cross-checking
         self._banned: set[str] = set()  # reducers that returned a bad average: never grouped with again (this process)
         self._shunned: frozenset[str] = frozenset()  # peers most of the swarm banned: treated like ours (not named)
         # rounds in which each reducer returned a bad average: a peer that caught up a moment ago sends a tiny
@@ -198,6 +205,7 @@ class GuardedAverager(DilocoAverager):
         """Weight limits (peer id -> tokens its progress supports) for the next all-reduce, and the peers that most
         of the swarm banned: refused as leaders and joiners like our own banned peers, but not named in our group
         requests (a groupmate demotes only on its own evidence or that of someone in the group)."""
+        self._view = dict(allowed)  # declared with our group requests when cross-checking (agreed_limits)
         future = MPFuture()
         self._outer_pipe.send(("_set_allowed_weights", [], dict(allowed=dict(allowed), shunned=frozenset(shunned), future=future)))
         future.result(timeout=30)
@@ -231,7 +239,9 @@ class GuardedAverager(DilocoAverager):
 
     def step(self, gather: Any = None, **kwargs: Any) -> Any:
         if isinstance(gather, dict):
-            gather = {**gather, "banned": sorted(self.banned_peers())}
+            gather = {**gather, "banned": sorted(self.banned_peers()), "cross_check": self.cross_check}
+            if self.cross_check:
+                gather["view"] = self._view
         return super().step(gather=gather, **kwargs)
 
     def _gathered(self, group_info: Any) -> list[dict]:
@@ -274,26 +284,70 @@ class GuardedAverager(DilocoAverager):
         return demoted_fractions
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, group_id=None, **kwargs):
-        guard = RoundGuard(self.policy, dict(self._allowed))
         gathered = self._gathered(group_info)
+        names = [peer.to_base58() for peer in group_info.peer_ids]
+        # cross-checking, both reducers of a share must clamp weights alike: by the limits the group agrees on
+        allowed = agreed_limits(names, [data.get("view") for data in gathered]) if self.cross_check else dict(self._allowed)
+        guard = RoundGuard(self.policy, allowed)
         guard.weight_ratio = self._weight_ratio(group_info, gathered, guard)
         guard.part_norms = [_part_norms(data.get("part_norms")) for data in gathered]
         if "peer_fractions" in kwargs:
             kwargs["peer_fractions"] = self._demote_banned(group_info, gathered, kwargs["peer_fractions"])
+        group_id = group_info.group_id if group_id is None else group_id
+        # cross-checked (core/cross_check.py): the same values averaged a second time, each share by another reducer
+        checking = self.cross_check and sum(f > 0 for f in kwargs.get("peer_fractions", ())) >= 2
+        check_id = group_id + b".cross-check"
+        if checking:  # registered before the first all-reduce: a groupmate may begin the second one before us
+            self._running_groups[check_id] = asyncio.get_running_loop().create_future()
         try:
+            if self.cross_check and not all(data.get("cross_check") is True for data in gathered):
+                # a group that a leader of another setting assembled: its averages would go unchecked
+                raise PartialRoundError("partial all-reduce: not every member of the group cross-checks its averages")
+            originals = [tensor.detach().clone() for tensor in tensors] if checking else []
             await super()._run_allreduce_inplace_(tensors, group_info, group_id, guard=guard, **kwargs)
+            if checking:
+                share_values = self._running_groups[group_id].result().share_values  # the first all-reduce's runner
+                await self._cross_check(tensors, originals, group_info, check_id, share_values, guard, kwargs)
         except PartialRoundError as e:
             if not guard.bad_results:
                 raise
-            raise PartialRoundError(f"{e}; refused the averages of {', '.join(guard.bad_results)}") from None
+            raise PartialRoundError(f"{e}; refused the averages of {', '.join(dict.fromkeys(guard.bad_results))}") from None
         finally:
+            second = self._running_groups.pop(check_id, None)
+            if second is not None and not second.done():
+                second.cancel()  # a groupmate's parts waiting for our second all-reduce: there is none
             self._rejections.put((sorted(guard.rejected.items()), sorted(guard.left_out)))
-            for reducer in guard.bad_results:
+            for reducer in dict.fromkeys(guard.bad_results):
                 self._strikes[reducer] = self._strikes.get(reducer, 0) + (1 if reducer in guard.only_too_large else 2)
                 if self._strikes[reducer] >= 2 and reducer not in self._banned:
                     logger.warning("banning %s from our averaging groups: returned bad averages", reducer)
                     self._banned.add(reducer)
                     self._bans.put(reducer)
+
+    async def _cross_check(self, tensors: Sequence[torch.Tensor], originals: list[torch.Tensor], group_info: Any,
+                           check_id: bytes, share_values: Sequence[int], guard: RoundGuard, kwargs: dict) -> None:
+        """The second all-reduce of a cross-checked round, over ``originals`` (our values before the first), each share
+        reduced by the next reducer (``second_order``); if any share's two averages differ, ``tensors`` get their
+        original values back and the round fails, with a strike against the reducer(s) it shows to have lied."""
+        peers = [peer.to_base58() for peer in group_info.peer_ids]
+        order = second_order(peers, kwargs["peer_fractions"])
+        by_name = dict(zip(peers, group_info.peer_ids, strict=True))
+        second_info = dataclasses.replace(group_info, peer_ids=tuple(by_name[name] for name in order))
+        second = [tensor.clone() for tensor in originals]
+        await super()._run_allreduce_inplace_(second, second_info, check_id, guard=guard, **kwargs)
+        first_flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
+        positions = disagreeing_shares(first_flat, torch.cat([t.reshape(-1) for t in second]), share_values,
+                                       self.policy.cross_check_tolerance)
+        if not positions:
+            return
+        for tensor, original in zip(tensors, originals, strict=True):
+            tensor.copy_(original)
+        for peer in sorted(suspects(positions, peers, order, self.peer_id.to_base58())):
+            guard.reject(peer, "its average of a share differed from the other reducer's")
+            guard.bad_results.append(peer)
+            guard.only_too_large.add(peer)  # one strike a round: two ban
+        pairs = ", ".join(f"{peers[p]}/{order[p]}" for p in positions)
+        raise PartialRoundError(f"partial all-reduce: the two reducers of {len(positions)} share(s) returned different averages ({pairs})")
 
     async def _set_round(self, group_bits: str, target: int | None, future: MPFuture) -> None:
         self._skip_banned_leaders()
@@ -314,23 +368,24 @@ class GuardedAverager(DilocoAverager):
         matchmaking._request_join_group = unless_banned
         matchmaking._skips_banned = True
 
-    def _step_and_base_of(self, data_for_gather: bytes | None) -> tuple[object, object]:
+    def _declared(self, data_for_gather: bytes | None) -> tuple[object, object, object]:
+        """(outer step, base, cross-check) from a group request's data; None for each that is unreadable."""
         try:
             user = self.serializer.loads(self.serializer.loads(data_for_gather)[2])
-            return (user.get("outer_step"), user.get("base")) if isinstance(user, dict) else (None, None)
         except Exception:
-            return None, None
+            return None, None, None
+        return (user.get("outer_step"), user.get("base"), user.get("cross_check")) if isinstance(user, dict) else (None, None, None)
 
     def _same_outer_step(self, joiner_gather: bytes) -> bool:
         """Whether a joiner declares the outer step we are averaging and, if we declared one, the same base (the
-        sha256 of the global params its outer gradient was measured from). True while we average none: hivemind
-        decides."""
+        sha256 of the global params its outer gradient was measured from), and whether it cross-checks as we do (a
+        group must run the same number of all-reduces). True while we average none: hivemind decides."""
         control = getattr(self._matchmaking, "step_control", None)
-        step, base = self._step_and_base_of(control.data_for_gather) if control is not None else (None, None)
+        step, base, cross = self._declared(control.data_for_gather) if control is not None else (None, None, None)
         if step is None:
             return True
-        joiner_step, joiner_base = self._step_and_base_of(joiner_gather)
-        return joiner_step == step and (base is None or joiner_base == base)
+        joiner_step, joiner_base, joiner_cross = self._declared(joiner_gather)
+        return joiner_step == step and (base is None or joiner_base == base) and bool(joiner_cross) == bool(cross)
 
     async def _refused(self, peer: PeerID, what: str, banned_too: bool = True, shunned_too: bool = True) -> bool:
         if banned_too and peer.to_base58() in self._banned:

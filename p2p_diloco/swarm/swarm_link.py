@@ -83,6 +83,7 @@ class SwarmLink:
                 wire_codec=WireCodec(self.codec, part_values_for(self.codec, sum(t.numel() for t in template))),
                 state_provider=state_provider,
                 runner_class=self.runner_class,
+                cross_check=config.cross_check,
                 membership=membership.check(self.dht, self._progress_key),
                 prefix=f"{config.run_id}_averaging",
                 start=True,

@@ -17,7 +17,7 @@ from hivemind import DHT
 from hivemind.proto import averaging_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
-from experiments.adversary import GarbageReducerRunner, RawWireRunner
+from experiments.adversary import GarbageReducerRunner, RawWireRunner, ReducerUnderRunner
 from experiments.adversary_peer import PATH as ADVERSARY_PEER
 from p2p_diloco.core.compression import make_codec
 from p2p_diloco.observe.report import check_invariant_1
@@ -55,12 +55,13 @@ def _dhts(validators_by_peer: list[list], identities: list | None = None) -> lis
     ]
 
 
-def _averager(dht: DHT, runner: type = GuardedAllReduceRunner, membership=None, group_size: int = 3) -> GuardedAverager:
+def _averager(dht: DHT, runner: type = GuardedAllReduceRunner, membership=None, group_size: int = 3,
+              cross_check: bool = False) -> GuardedAverager:
     return GuardedAverager(
         [torch.zeros(shape) for shape in SHAPES], dht, wire_codec=_wire_codec(), state_provider=_state,
         prefix="robust_test", start=True, min_matchmaking_time=2.0, request_timeout=1.0, next_chunk_timeout=3.0,
         allreduce_timeout=20.0, target_group_size=group_size, min_group_size=2, runner_class=runner,
-        membership=membership, allow_state_sharing=True, declare_state_period=1.0,
+        membership=membership, allow_state_sharing=True, declare_state_period=1.0, cross_check=cross_check,
     )
 
 
@@ -145,6 +146,48 @@ def test_a_reducer_returning_garbage_fails_the_round_then_is_banned_and_the_hone
     assert bans == [[garbage_id], [garbage_id]]  # and the swarm link stops counting it as live
     expected = [(a + b) / 2 for a, b in zip(inputs[0], inputs[1])]
     for outcome in after_ban[:2]:  # banned: refused as member and as leader, so the honest two average on their own
+        assert outcome.status == "ok", (outcome.status, outcome.reason)
+        assert sorted(outcome.peers) == honest_ids
+        for got, want in zip(outcome.averaged, expected):
+            assert (got - want).norm() / want.norm() < 0.03
+    for mine, theirs in zip(after_ban[0].averaged, after_ban[1].averaged):
+        assert torch.equal(mine, theirs)
+
+
+def test_cross_checked_rounds_never_apply_a_lying_reducers_average_and_ban_it():
+    """A reducer that returns its share's true average turned around passes every check of size (docs/security.md):
+    with --cross-check each share is reduced twice, by two peers, and a member applies a round only where both
+    agree. The liar fails two rounds, is banned by both honest peers, and they then average, checked, without it."""
+    torch.manual_seed(2)
+    inputs = [[torch.randn(shape) for shape in SHAPES] for _ in range(3)]
+    dhts = _dhts([[], [], []])
+    averagers = [_averager(dhts[0], cross_check=True), _averager(dhts[1], cross_check=True),
+                 _averager(dhts[2], ReducerUnderRunner, cross_check=True)]
+    liar = dhts[2].peer_id.to_base58()
+    honest_ids = sorted(dht.peer_id.to_base58() for dht in dhts[:2])
+    try:
+        rounds, untouched = [], []
+        for _ in range(2):
+            with averagers[0].get_tensors() as before:
+                before = [t.clone() for t in before]
+            rounds.append(_average_concurrently(averagers, inputs, [1.0, 1.0, 1.0]))
+            with averagers[0].get_tensors() as after:
+                untouched.append(all(torch.equal(a, inputs[0][k]) or torch.equal(a, before[k]) for k, a in enumerate(after)))
+        rejections = averagers[0].take_rejections()
+        bans = [sorted(averager.banned_peers()) for averager in averagers[:2]]
+        after_ban = _average_concurrently(averagers, inputs, [1.0, 1.0, 1.0])
+    finally:
+        _close(dhts, averagers)
+    for outcomes in rounds:
+        for outcome in outcomes[:2]:
+            assert outcome.status == "partial" and outcome.averaged is None, (outcome.status, outcome.reason)
+            assert "different averages" in outcome.reason and liar in outcome.reason, outcome.reason
+    assert all(untouched)  # the turned-around share never reached the averager's tensors
+    assert any(peer == liar and "differed" in why for peer, why in rejections), rejections
+    assert not any(peer in honest_ids for peer, _ in rejections), rejections  # only the liar is blamed
+    assert bans == [[liar], [liar]]  # one strike a round: banned at the second
+    expected = [(a + b) / 2 for a, b in zip(inputs[0], inputs[1])]
+    for outcome in after_ban[:2]:  # the honest two, each share reduced by both of them: they agree
         assert outcome.status == "ok", (outcome.status, outcome.reason)
         assert sorted(outcome.peers) == honest_ids
         for got, want in zip(outcome.averaged, expected):

@@ -29,7 +29,7 @@ def _averager(own: PeerID = PEERS[0], averaging: object = None) -> SimpleNamespa
         serializer=MSGPackSerializer, peer_id=own, _matchmaking=SimpleNamespace(step_control=control),
         _demoted_before=set(),
     )
-    for name in ("_step_and_base_of", "_same_outer_step", "_gathered", "_weight_ratio", "_demote_banned"):
+    for name in ("_declared", "_same_outer_step", "_gathered", "_weight_ratio", "_demote_banned"):
         setattr(fake, name, getattr(GuardedAverager, name).__get__(fake))
     return fake
 
@@ -53,6 +53,17 @@ def test_a_leader_refuses_a_joiner_at_its_step_on_other_global_params():
     assert not leader._same_outer_step(_request_data({"outer_step": 24, "weight": 9.0}))  # declares none
     # a leader that declares no base (a bare averager, as in a test) compares the step only
     assert _averager(averaging={"outer_step": 24})._same_outer_step(_request_data({"outer_step": 24, "base": "bb"}))
+
+
+def test_a_leader_refuses_a_joiner_that_cross_checks_differently():
+    """A cross-checking group runs two all-reduces: a member that runs one would fail everyone's second."""
+    leader = _averager(averaging={"outer_step": 24, "weight": 512, "cross_check": True})
+    assert leader._same_outer_step(_request_data({"outer_step": 24, "cross_check": True}))
+    assert not leader._same_outer_step(_request_data({"outer_step": 24, "cross_check": False}))
+    assert not leader._same_outer_step(_request_data({"outer_step": 24}))  # an earlier version declares none
+    plain = _averager(averaging={"outer_step": 24, "weight": 512, "cross_check": False})
+    assert plain._same_outer_step(_request_data({"outer_step": 24}))
+    assert not plain._same_outer_step(_request_data({"outer_step": 24, "cross_check": True}))
 
 
 def test_the_group_data_gives_the_weight_ratio_bounded_by_published_progress():
