@@ -86,12 +86,14 @@ def test_three_peers_agree_learn_and_admit_a_late_joiner(tmp_path, reaper):
 
 
 # a period of 0.5 s near a round's end and 2 s in between; rounds long enough for the idle pace to engage
-IDLE_PACE_FLAGS = ["--progress-period-s", "0.5", "--progress-idle-period-s", "2", "--inner-steps", "300"]
+# rounds of ~8 s here: the idle pace needs the round's end over 3 idle periods away. With a 2 s idle period and
+# rounds of 300 steps (~6 s) a peer went idle only now and then, and the test waited 190-225 s for all four to
+IDLE_PACE_FLAGS = ["--progress-period-s", "0.5", "--progress-idle-period-s", "1", "--inner-steps", "400"]
 
 
 @pytest.mark.timeout(420)
 def test_the_idle_pace_keeps_rounds_whole_and_admits_a_late_joiner(tmp_path, reaper):
-    # Progress records go every 2 s while a round's end is far and every 0.5 s near it: a joiner arriving while the
+    # Progress records go every 1 s while a round's end is far and every 0.5 s near it: a joiner arriving while the
     # others are on the idle pace must still be seen by all alike (a constant, slow period split groups and forked)
     swarm = local_swarm(tmp_path, reaper, IDLE_PACE_FLAGS)
 
