@@ -1,19 +1,17 @@
 """The averager a peer runs in a swarm it cannot trust: robust reducers, checked results, members only.
 
-Built on averaging.py's exact all-reduce (same bytes for every peer), by subclassing three small pieces:
+Built on averaging.py's exact all-reduce (same bytes for every peer), with guarded_runner.py's runner (robust
+reducers; every averaged part checked before it is applied, a bad one failing the round on our side: "partial
+all-reduce", the failed-round path, after which the learner catches up from the swarm).
 
-- ``RobustPartReducer`` (hivemind's ``TensorPartReducer``): holds each sender's part aside and, when the part is
-  complete, averages only the acceptable ones (``robust.robust_average``), with weights clamped to what each
-  sender's published progress supports. hivemind's own bookkeeping (part order, late and banned senders) runs
-  unchanged on a zero placeholder.
-- ``GuardedAllReduceRunner``: uses that reducer, and checks every averaged part it gets back from a reducer
-  (``robust.result_problem``) before it is applied; a bad one fails the round on our side ("partial all-reduce",
-  the failed-round path: the learner then catches up from the swarm) instead of corrupting our params.
 - ``GuardedAverager``: passes the weight limits for the round to its runner, hands the rejections back to the
   parent process, and in a closed run (``membership``) refuses every averaging RPC from a non-member. A reducer
   that returned bad averages is banned: never led by, never let into a group we lead, and named in each of our
   group requests, so that it reduces no part in any group with us in it (``robust.demote_reducers``), even one
   that a groupmate who has not banned it let it into.
+
+With ``cross_check`` every round runs a second all-reduce over the same values, each share reduced by another
+reducer, and is applied only where both agree (core/cross_check.py, docs/design.md §7).
 
 It does not decide who is a member (membership.py) nor what a failed round means (the learner does).
 """
@@ -25,152 +23,22 @@ import dataclasses
 import logging
 import math
 import multiprocessing as mp
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 -- hivemind reads RPC stream types from typing.AsyncIterator only
 
 import torch
-from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco.core.cross_check import agreed_limits, disagreeing_shares, second_order, suspects
-from p2p_diloco.core.robust import RobustPolicy, demote_reducers, result_excess, result_problem, robust_average
-from p2p_diloco.swarm.averaging import DilocoAverager, ExactAllReduceRunner, PartialRoundError
+from p2p_diloco.core.robust import RobustPolicy, demote_reducers
+from p2p_diloco.swarm.averaging import DilocoAverager, PartialRoundError
+from p2p_diloco.swarm.guarded_runner import GuardedAllReduceRunner, RobustPartReducer, RoundGuard, declared_part_norms
+
+__all__ = ["GuardedAllReduceRunner", "GuardedAverager", "RobustPartReducer", "RoundGuard"]
 
 logger = logging.getLogger(__name__)
-_PLACEHOLDER = torch.zeros(())  # what hivemind's accumulator adds (times weight 0) while we hold the real part
-
-
-class RobustPartReducer(TensorPartReducer):
-    """A reducer that averages each part over the senders that pass the checks of robust.py.
-
-    ``allowed[i]``: tokens sender i's published progress supports (None: no limit known); ``report(i, reason,
-    left_out)`` is called for every sender left out of a part (``left_out`` True) or whose weight was clamped.
-    """
-
-    def __init__(
-        self,
-        part_shapes: Sequence[torch.Size],
-        num_senders: int,
-        policy: RobustPolicy,
-        allowed: Sequence[float | None],
-        report: Callable[[int, str, bool], None],
-        own: int | None = None,
-    ):
-        self._inputs: dict[tuple[int, int], tuple[Any, float]] = {}  # (sender, part) -> (part, declared weight)
-        self._policy, self._allowed, self._report, self._own = policy, list(allowed), report, own
-        super().__init__(part_shapes, num_senders)
-
-    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
-        self._inputs[(sender_index, part_index)] = (tensor_part, weight)
-        return await super().accumulate_part(sender_index, part_index, _PLACEHOLDER, weight=0.0)
-
-    def check_current_part_finished(self) -> None:
-        assert self.current_part_accumulated_from <= self.num_current_senders
-        if self.current_part_accumulated_from == self.num_current_senders:
-            self.current_part_future.set_result(self._reduce_current_part())
-            self.reset_accumulators()
-
-    def _reduce_current_part(self) -> torch.Tensor:
-        index = self.current_part_index
-        # the senders hivemind counted for this part: a sender banned before sending it is not among them
-        senders = sorted(s for (s, p) in self._inputs if p == index and p < self.sender_failed_after[s])
-        inputs = [self._inputs[(s, index)] for s in senders]
-        for key in [key for key in self._inputs if key[1] <= index]:
-            del self._inputs[key]
-        result, notes, left_out = robust_average(
-            [part for part, _ in inputs],
-            [weight if isinstance(weight, int | float) else math.nan for _, weight in inputs],
-            [self._allowed[s] for s in senders],
-            torch.Size(self.part_shapes[index]),
-            self._policy,
-            own=senders.index(self._own) if self._own in senders else None,
-        )
-        for position, reason in notes.items():
-            self._report(senders[position], reason, position in left_out)
-        return result
-
-
-class GuardedAllReduceRunner(ExactAllReduceRunner):
-    """The exact all-reduce with robust reducers and checked results (see the module docstring).
-
-    ``guard``: the round's ``RoundGuard`` (weight limits in, rejections out).
-    """
-
-    def __init__(self, *, guard: RoundGuard, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.guard = guard
-        names = [peer.to_base58() for peer in self.sender_peer_ids]
-        self.tensor_part_reducer.finished.set()  # the reducer hivemind built is replaced unused: no "0% received" warning
-        self.tensor_part_reducer = RobustPartReducer(
-            tuple(part.shape for part in self.parts_for_local_averaging),
-            len(self.sender_peer_ids),
-            guard.policy,
-            [guard.allowed.get(name) for name in names],
-            lambda sender, reason, left_out: guard.reject(names[sender], reason, left_out),
-            own=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
-        )
-        # hivemind registers each reducer's result in its container; check it there first, whoever the reducer is
-        container = self.tensor_part_container
-        # how many values each position's share holds (hivemind consumes its parts as it sends them)
-        self.share_values = tuple(sum(int(part.numel()) for part, _ in parts) for parts in container._input_parts_by_peer)
-        self._register_unchecked = container.register_processed_part
-        container.register_processed_part = self._register_checked
-
-    def _register_checked(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
-        container = self.tensor_part_container
-        sent = container._input_parts_by_peer[peer_index][part_index][0]  # what we sent that reducer (hivemind 1.1.12)
-        first = sum(container.num_parts_by_peer[:peer_index])  # parts are dealt to reducers in order
-        norms = self.guard.declared_norms(first + part_index, sum(container.num_parts_by_peer))
-        problem = result_problem(part, sent, self.guard.policy, self.guard.weight_ratio, norms)
-        if problem is None:
-            return self._register_unchecked(peer_index, part_index, part)
-        reducer = self.ordered_peer_ids[peer_index].to_base58()
-        self.guard.reject(reducer, f"returned a bad average: {problem}")
-        self.guard.bad_results.append(reducer)
-        if problem.startswith("norm"):
-            excess = result_excess(part, sent, self.guard.policy, self.guard.weight_ratio)
-            if excess < self.guard.policy.result_ban_excess:  # perhaps honest, seen by a peer that just caught up
-                self.guard.only_too_large.add(reducer)  # one strike; more than that far over: banned at once
-        container.register_failed_reducer(peer_index)  # its parts count as lost: the round fails on our side
-        raise AllreduceException(f"reducer {reducer} returned a bad average: {problem}")
-
-
-def _part_norms(value: object) -> list[float]:
-    """A member's declared part norms, if well formed (a list of finite numbers >= 0), else []."""
-    if not isinstance(value, list | tuple) or len(value) > 1 << 20:
-        return []
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in value):
-        return []
-    return [float(v) for v in value]
-
-
-class RoundGuard:
-    """One all-reduce's weight limits (peer id -> tokens) and what it rejected (peer id -> first reason)."""
-
-    def __init__(self, policy: RobustPolicy, allowed: dict[str, float]):
-        self.policy, self.allowed = policy, allowed
-        self.weight_ratio = 1.0  # the group's largest (bounded) weight over ours: how much larger its average may be
-        self.rejected: dict[str, str] = {}
-        self.left_out: set[str] = set()  # senders our reducer left out of the part it averaged (not just clamped)
-        self.bad_results: list[str] = []  # reducers whose averages we refused
-        self.part_norms: list[list[float]] = []  # per member, the norm of each part it declared (run_averaging)
-        # ... of which the averages were finite and well-formed, and under result_ban_excess times too large
-        self.only_too_large: set[str] = set()
-
-    def declared_norms(self, part: int, parts: int) -> list[float] | None:
-        """The norms the members declared for global part ``part`` (of ``parts``), from the members that declared one
-        per part; None when fewer than half of the group did (an earlier version, or hostile data)."""
-        found = [norms[part] for norms in self.part_norms if len(norms) == parts]
-        return found if found and 2 * len(found) >= len(self.part_norms) else None
-
-    def reject(self, peer: str, reason: str, left_out: bool = False) -> None:
-        if left_out:
-            self.left_out.add(peer)
-        if peer not in self.rejected:
-            logger.warning("rejected %s: %s", peer, reason)
-            self.rejected[peer] = reason
 
 
 class GuardedAverager(DilocoAverager):
@@ -290,7 +158,7 @@ class GuardedAverager(DilocoAverager):
         allowed = agreed_limits(names, [data.get("view") for data in gathered]) if self.cross_check else dict(self._allowed)
         guard = RoundGuard(self.policy, allowed)
         guard.weight_ratio = self._weight_ratio(group_info, gathered, guard)
-        guard.part_norms = [_part_norms(data.get("part_norms")) for data in gathered]
+        guard.part_norms = [declared_part_norms(data.get("part_norms")) for data in gathered]
         if "peer_fractions" in kwargs:
             kwargs["peer_fractions"] = self._demote_banned(group_info, gathered, kwargs["peer_fractions"])
         group_id = group_info.group_id if group_id is None else group_id
