@@ -58,19 +58,19 @@ def disagreeing_shares(first: torch.Tensor, second: torch.Tensor, share_values: 
 def suspects(positions: Sequence[int], first: Sequence[str], second: Sequence[str], own: str) -> set[str]:
     """Who to count a strike against for the disagreeing ``positions`` (reducers by position: ``first``, ``second``).
 
-    Where we reduced one side ourselves, the other side's reducer (we trust our own sums). Otherwise a reducer
-    that is in two or more disagreeing pairs (a liar that lied in both all-reduces is in exactly two, the shares
-    it reduced and the ones before them); a single disagreement between two others names nobody.
+    Where we reduced one side ourselves, the other side's reducer (we trust our own sums). Otherwise only a reducer
+    that is the one peer common to every disagreeing pair we did not reduce, and in two or more of them (a liar that
+    lied in both all-reduces is in exactly two, the shares it reduced and the ones before them). With only two
+    reducers in the group their two pairs are the same two peers: a member that reduced neither names nobody.
     """
-    pairs = [(first[p], second[p]) for p in positions]
-    named = {b if a == own else a for a, b in pairs if own in (a, b) and a != b}
-    counts: dict[str, int] = {}
-    for a, b in pairs:
-        if own in (a, b) or a == b:
-            continue
-        for peer in (a, b):
-            counts[peer] = counts.get(peer, 0) + 1
-    return named | {peer for peer, count in counts.items() if count >= 2}
+    pairs = [(first[p], second[p]) for p in positions if first[p] != second[p]]
+    named = {b if a == own else a for a, b in pairs if own in (a, b)}
+    others = [{a, b} for a, b in pairs if own not in (a, b)]
+    if len(others) >= 2:
+        common = set.intersection(*others)
+        if len(common) == 1:
+            named |= common
+    return named
 
 
 def agreed_limits(members: Sequence[str], views: Sequence[object]) -> dict[str, float]:

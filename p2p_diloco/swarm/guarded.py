@@ -163,7 +163,8 @@ class GuardedAverager(DilocoAverager):
             kwargs["peer_fractions"] = self._demote_banned(group_info, gathered, kwargs["peer_fractions"])
         group_id = group_info.group_id if group_id is None else group_id
         # cross-checked (core/cross_check.py): the same values averaged a second time, each share by another reducer
-        checking = self.cross_check and sum(f > 0 for f in kwargs.get("peer_fractions", ())) >= 2
+        reducers = [name for name, f in zip(names, kwargs.get("peer_fractions", ()), strict=False) if f > 0]
+        checking = self.cross_check and len(reducers) >= 2
         check_id = group_id + b".cross-check"
         if checking:  # registered before the first all-reduce: a groupmate may begin the second one before us
             self._running_groups[check_id] = asyncio.get_running_loop().create_future()
@@ -171,11 +172,20 @@ class GuardedAverager(DilocoAverager):
             if self.cross_check and not all(data.get("cross_check") is True for data in gathered):
                 # a group that a leader of another setting assembled: its averages would go unchecked
                 raise PartialRoundError("partial all-reduce: not every member of the group cross-checks its averages")
+            if self.cross_check and not checking and reducers != [self.peer_id.to_base58()]:
+                # one reducer, not us (the others clients, demoted, or so marked by the leader): nothing to check
+                # its averages against
+                raise PartialRoundError("partial all-reduce: one reducer in the group, so its averages cannot be cross-checked")
             originals = [tensor.detach().clone() for tensor in tensors] if checking else []
             await super()._run_allreduce_inplace_(tensors, group_info, group_id, guard=guard, **kwargs)
             if checking:
                 share_values = self._running_groups[group_id].result().share_values  # the first all-reduce's runner
-                await self._cross_check(tensors, originals, group_info, check_id, share_values, guard, kwargs)
+                try:
+                    await self._cross_check(tensors, originals, group_info, check_id, share_values, guard, kwargs)
+                except BaseException:  # a second all-reduce that failed or disagreed: the first's average is unchecked
+                    for tensor, original in zip(tensors, originals, strict=True):
+                        tensor.copy_(original)
+                    raise
         except PartialRoundError as e:
             if not guard.bad_results:
                 raise
@@ -195,8 +205,8 @@ class GuardedAverager(DilocoAverager):
     async def _cross_check(self, tensors: Sequence[torch.Tensor], originals: list[torch.Tensor], group_info: Any,
                            check_id: bytes, share_values: Sequence[int], guard: RoundGuard, kwargs: dict) -> None:
         """The second all-reduce of a cross-checked round, over ``originals`` (our values before the first), each share
-        reduced by the next reducer (``second_order``); if any share's two averages differ, ``tensors`` get their
-        original values back and the round fails, with a strike against the reducer(s) it shows to have lied."""
+        reduced by the next reducer (``second_order``); if any share's two averages differ the round fails (the caller
+        gives ``tensors`` their original values back), with a strike against the reducer(s) it shows to have lied."""
         peers = [peer.to_base58() for peer in group_info.peer_ids]
         order = second_order(peers, kwargs["peer_fractions"])
         by_name = dict(zip(peers, group_info.peer_ids, strict=True))
@@ -208,8 +218,6 @@ class GuardedAverager(DilocoAverager):
                                        self.policy.cross_check_tolerance)
         if not positions:
             return
-        for tensor, original in zip(tensors, originals, strict=True):
-            tensor.copy_(original)
         for peer in sorted(suspects(positions, peers, order, self.peer_id.to_base58())):
             guard.reject(peer, "its average of a share differed from the other reducer's")
             guard.bad_results.append(peer)

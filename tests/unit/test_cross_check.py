@@ -45,6 +45,10 @@ def test_a_disagreement_blames_the_other_reducer_where_we_reduced_one_side():
     assert suspects([2], first, second, own="d") == {"c"}
     assert suspects([2], first, second, own="a") == set()
     assert suspects([], first, second, own="a") == set()
+    # two reducers (a third peer demoted or a client): both pairs hold the same two peers, so a member that
+    # reduced neither cannot tell the liar from the honest one, and names nobody
+    assert suspects([0, 2], ["a", "x", "b"], ["b", "x", "a"], own="x") == set()
+    assert suspects([0, 2], ["a", "x", "b"], ["b", "x", "a"], own="a") == {"b"}
 
 
 def test_both_reducers_clamp_by_the_limits_the_group_agrees_on():
