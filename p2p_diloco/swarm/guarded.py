@@ -169,19 +169,15 @@ class GuardedAverager(DilocoAverager):
         if checking:  # registered before the first all-reduce: a groupmate may begin the second one before us
             self._running_groups[check_id] = asyncio.get_running_loop().create_future()
         try:
-            if self.cross_check and not all(data.get("cross_check") is True for data in gathered):
-                # a group that a leader of another setting assembled: its averages would go unchecked
-                raise PartialRoundError("partial all-reduce: not every member of the group cross-checks its averages")
-            if self.cross_check and not checking and reducers != [self.peer_id.to_base58()]:
-                # one reducer, not us (the others clients, demoted, or so marked by the leader): nothing to check
-                # its averages against
-                raise PartialRoundError("partial all-reduce: one reducer in the group, so its averages cannot be cross-checked")
+            refusal = self._uncheckable(gathered, reducers) if self.cross_check else None
+            if refusal is not None:
+                raise PartialRoundError(f"partial all-reduce: {refusal}")
             originals = [tensor.detach().clone() for tensor in tensors] if checking else []
             await super()._run_allreduce_inplace_(tensors, group_info, group_id, guard=guard, **kwargs)
             if checking:
                 share_values = self._running_groups[group_id].result().share_values  # the first all-reduce's runner
                 try:
-                    await self._cross_check(tensors, originals, group_info, check_id, share_values, guard, kwargs)
+                    await self._cross_check(tensors, originals, group_info, names, check_id, share_values, guard, kwargs)
                 except BaseException:  # a second all-reduce that failed or disagreed: the first's average is unchecked
                     for tensor, original in zip(tensors, originals, strict=True):
                         tensor.copy_(original)
@@ -196,18 +192,29 @@ class GuardedAverager(DilocoAverager):
                 second.cancel()  # a groupmate's parts waiting for our second all-reduce: there is none
             self._rejections.put((sorted(guard.rejected.items()), sorted(guard.left_out)))
             for reducer in dict.fromkeys(guard.bad_results):
-                self._strikes[reducer] = self._strikes.get(reducer, 0) + (1 if reducer in guard.only_too_large else 2)
+                self._strikes[reducer] = self._strikes.get(reducer, 0) + (1 if reducer in guard.one_strike else 2)
                 if self._strikes[reducer] >= 2 and reducer not in self._banned:
                     logger.warning("banning %s from our averaging groups: returned bad averages", reducer)
                     self._banned.add(reducer)
                     self._bans.put(reducer)
 
+    def _uncheckable(self, gathered: list[dict], reducers: list[str]) -> str | None:
+        """Why a cross-checking member must not apply this group's averages at all, or None."""
+        if not all(data.get("cross_check") is True for data in gathered):
+            # a group that a leader of another setting assembled: its averages would go unchecked
+            return "not every member of the group cross-checks its averages"
+        if len(reducers) < 2 and reducers != [self.peer_id.to_base58()]:
+            # one reducer, not us (the others clients, demoted, or so marked by the leader): nothing to check it against
+            return "one reducer in the group, so its averages cannot be cross-checked"
+        return None
+
     async def _cross_check(self, tensors: Sequence[torch.Tensor], originals: list[torch.Tensor], group_info: Any,
-                           check_id: bytes, share_values: Sequence[int], guard: RoundGuard, kwargs: dict) -> None:
+                           peers: list[str], check_id: bytes, share_values: Sequence[int], guard: RoundGuard,
+                           kwargs: dict) -> None:
         """The second all-reduce of a cross-checked round, over ``originals`` (our values before the first), each share
         reduced by the next reducer (``second_order``); if any share's two averages differ the round fails (the caller
-        gives ``tensors`` their original values back), with a strike against the reducer(s) it shows to have lied."""
-        peers = [peer.to_base58() for peer in group_info.peer_ids]
+        gives ``tensors`` their original values back), with a strike against the reducer(s) it shows to have lied.
+        ``peers``: the group's peer ids in its order."""
         order = second_order(peers, kwargs["peer_fractions"])
         by_name = dict(zip(peers, group_info.peer_ids, strict=True))
         second_info = dataclasses.replace(group_info, peer_ids=tuple(by_name[name] for name in order))
@@ -221,7 +228,7 @@ class GuardedAverager(DilocoAverager):
         for peer in sorted(suspects(positions, peers, order, self.peer_id.to_base58())):
             guard.reject(peer, "its average of a share differed from the other reducer's")
             guard.bad_results.append(peer)
-            guard.only_too_large.add(peer)  # one strike a round: two ban
+            guard.one_strike.add(peer)  # one strike a round: two ban
         pairs = ", ".join(f"{peers[p]}/{order[p]}" for p in positions)
         raise PartialRoundError(f"partial all-reduce: the two reducers of {len(positions)} share(s) returned different averages ({pairs})")
 

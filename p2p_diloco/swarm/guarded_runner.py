@@ -116,7 +116,7 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
         if problem.startswith("norm"):
             excess = result_excess(part, sent, self.guard.policy, self.guard.weight_ratio)
             if excess < self.guard.policy.result_ban_excess:  # perhaps honest, seen by a peer that just caught up
-                self.guard.only_too_large.add(reducer)  # one strike; more than that far over: banned at once
+                self.guard.one_strike.add(reducer)  # one strike; more than that far over: banned at once
         container.register_failed_reducer(peer_index)  # its parts count as lost: the round fails on our side
         raise AllreduceException(f"reducer {reducer} returned a bad average: {problem}")
 
@@ -140,8 +140,9 @@ class RoundGuard:
         self.left_out: set[str] = set()  # senders our reducer left out of the part it averaged (not just clamped)
         self.bad_results: list[str] = []  # reducers whose averages we refused
         self.part_norms: list[list[float]] = []  # per member, the norm of each part it declared (run_averaging)
-        # ... of which the averages were finite and well-formed, and under result_ban_excess times too large
-        self.only_too_large: set[str] = set()
+        # ... that count one strike, not two: averages finite and well-formed and under result_ban_excess times too
+        # large (perhaps honest, seen by a peer that just caught up), or one side of a cross-check's disagreement
+        self.one_strike: set[str] = set()
 
     def declared_norms(self, part: int, parts: int) -> list[float] | None:
         """The norms the members declared for global part ``part`` (of ``parts``), from the members that declared one

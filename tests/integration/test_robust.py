@@ -144,14 +144,8 @@ def test_a_reducer_returning_garbage_fails_the_round_then_is_banned_and_the_hone
     assert untouched  # the averager's tensors were not overwritten with the garbage
     # an average 100x over the norm limit is no honest peer's, even one that just caught up: banned at once
     assert bans == [[garbage_id], [garbage_id]]  # and the swarm link stops counting it as live
-    expected = [(a + b) / 2 for a, b in zip(inputs[0], inputs[1])]
-    for outcome in after_ban[:2]:  # banned: refused as member and as leader, so the honest two average on their own
-        assert outcome.status == "ok", (outcome.status, outcome.reason)
-        assert sorted(outcome.peers) == honest_ids
-        for got, want in zip(outcome.averaged, expected):
-            assert (got - want).norm() / want.norm() < 0.03
-    for mine, theirs in zip(after_ban[0].averaged, after_ban[1].averaged):
-        assert torch.equal(mine, theirs)
+    # banned: refused as member and as leader, so the honest two average on their own
+    _assert_the_honest_pair_averaged_alone(after_ban, inputs, honest_ids)
 
 
 def test_cross_checked_rounds_never_apply_a_lying_reducers_average_and_ban_it():
@@ -186,13 +180,19 @@ def test_cross_checked_rounds_never_apply_a_lying_reducers_average_and_ban_it():
     assert any(peer == liar and "differed" in why for peer, why in rejections), rejections
     assert not any(peer in honest_ids for peer, _ in rejections), rejections  # only the liar is blamed
     assert bans == [[liar], [liar]]  # one strike a round: banned at the second
+    # the honest two, each share reduced by both of them: they agree
+    _assert_the_honest_pair_averaged_alone(after_ban, inputs, honest_ids)
+
+
+def _assert_the_honest_pair_averaged_alone(outcomes, inputs, honest_ids) -> None:
+    """The first two averagers averaged as a group of their own: their mean, to the same bytes on both."""
     expected = [(a + b) / 2 for a, b in zip(inputs[0], inputs[1])]
-    for outcome in after_ban[:2]:  # the honest two, each share reduced by both of them: they agree
+    for outcome in outcomes[:2]:
         assert outcome.status == "ok", (outcome.status, outcome.reason)
         assert sorted(outcome.peers) == honest_ids
         for got, want in zip(outcome.averaged, expected):
             assert (got - want).norm() / want.norm() < 0.03
-    for mine, theirs in zip(after_ban[0].averaged, after_ban[1].averaged):
+    for mine, theirs in zip(outcomes[0].averaged, outcomes[1].averaged):
         assert torch.equal(mine, theirs)
 
 
