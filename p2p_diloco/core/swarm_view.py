@@ -98,6 +98,11 @@ class SwarmView:
         excluded = self.excluded()
         return {peer: record for peer, record in records.items() if peer not in excluded}
 
+    def behind(self, records: Mapping[str, dict], outer_step: int) -> int:
+        """How many of the peers we count are at an earlier outer step than ``outer_step``: the ones worth waiting
+        for as a state donor at the planned end. A banned or shunned peer is not (it may claim any step)."""
+        return sum(int(r.get("outer_step", -1)) < outer_step for r in self.live(records).values())
+
     def observe(self, records: Mapping[str, dict], now: float) -> dict[str, dict]:
         """Note the tokens each peer published per round (its weight limit; banned peers' too: a groupmate that has
         not banned one can still let it into a group with us) and who most of the swarm banned; the live records."""

@@ -271,14 +271,23 @@ class Abandoned(Exception):
     """The search for a group was cancelled because ``should_abort`` said so."""
 
 
-def wait_for_step(control: Any, should_abort: Callable[[], bool] | None, poll_s: float = 0.5) -> Any:
+class AveragerGone(Exception):
+    """The averager process ended while a step of it was in flight."""
+
+
+def wait_for_step(control: Any, should_abort: Callable[[], bool] | None, poll_s: float = 0.5,
+                  alive: Callable[[], bool] | None = None) -> Any:
     """The result of a background ``averager.step``; while it is still looking for a group, poll
-    ``should_abort`` and cancel the search if it says so (an all-reduce that began is never cancelled)."""
+    ``should_abort`` and cancel the search if it says so (an all-reduce that began is never cancelled).
+    ``alive``: whether the averager process still runs; a step of a dead averager never ends (a Ctrl-C that
+    reached the peer's whole process group): AveragerGone."""
     while True:
         try:
             return control.result(timeout=poll_s)
         except TimeoutError:
             pass
+        if alive is not None and not alive():
+            raise AveragerGone()
         if should_abort is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP and should_abort():
             # if a group formed between the check and the cancel, the averager either runs its all-reduce (the
             # others may apply our outer gradient while we report "stale": the learner's round history settles
@@ -344,14 +353,18 @@ def run_averaging(
             wait=False,
         )
         try:
-            gathered = wait_for_step(control, should_abort)
+            gathered = wait_for_step(control, should_abort, alive=averager.is_alive)
         except Abandoned:
             return AveragingOutcome(None, (), 0.0, "stale", "the swarm moved past this outer step while we looked for a group")
+        except AveragerGone:
+            return AveragingOutcome(None, (), 0.0, "error", "the averager process is gone")
         except Exception as e:  # hivemind raises a zoo of types for a failed round; all mean "no average"
             text = f"{type(e).__name__}: {e}"
             status = "partial" if "partial all-reduce" in text else "no_group" if "group" in text else "error"
             if status == "partial" or deadline - time.monotonic() < 1.0:
                 return AveragingOutcome(None, (), 0.0, status, text[:300])
+            if not averager.is_alive():
+                return AveragingOutcome(None, (), 0.0, "error", "the averager process is gone")
             if should_abort is not None and should_abort():
                 return AveragingOutcome(None, (), 0.0, "stale", "the swarm moved past this outer step")
             logger.debug("averaging attempt failed (%s); retrying", text)

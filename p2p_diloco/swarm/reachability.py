@@ -50,6 +50,7 @@ _PROBE_INTERVAL_S = 10.0  # a probe server answers each peer at most this often
 _PROBE_PORTS = 4  # ports tried per probe (our listening ports, plus the one the server sees)
 _DIAL_TIMEOUT_S = 3.0
 _PROBE_TIMEOUT_S = 15.0  # one whole probe, ours or one we serve
+_PROBE_ATTEMPTS = 3  # rounds of asking every initial peer, within one probe's time
 
 
 @dataclass(frozen=True)
@@ -127,26 +128,39 @@ async def _tcp_dial(host: str, port: int) -> bool:
 
 
 def probe(dht: DHT, initial_peers: Sequence[str]) -> dict | None:
-    """Ask the initial peers, one after another, to dial us back; their answer, or None if none answered."""
-    peer_ids = [_peer_id(address) for address in initial_peers]
+    """Ask the initial peers, one after another, to dial us back; their answer, or None if none answered.
+
+    A round in which every peer failed at once (a connection not yet up just after joining, seen on a loaded
+    machine) is tried again after a pause, for as long as one probe's time allows."""
+    peer_ids = list(dict.fromkeys(p for p in map(_peer_id, initial_peers) if p is not None))
     ports = sorted({port for port in (_listen_port(a) for a in dht.get_visible_maddrs()) if port})
-    for peer_id in dict.fromkeys(p for p in peer_ids if p is not None):
-        try:
-            answer = dht.run_coroutine(partial(_ask, peer_id=peer_id.to_base58(), ports=ports[:_PROBE_PORTS]),
-                                      return_future=True).result(
-                timeout=_PROBE_TIMEOUT_S + 5)
-        except Exception as e:
-            logger.debug("dial-back probe through %s failed: %r", peer_id, e)
-            continue
-        if isinstance(answer, dict) and "open" in answer:
-            return answer
+    deadline = time.monotonic() + _PROBE_TIMEOUT_S
+    for attempt in range(_PROBE_ATTEMPTS):
+        for peer_id in peer_ids:
+            try:
+                answer = dht.run_coroutine(partial(_ask, peer_id=peer_id.to_base58(), ports=ports[:_PROBE_PORTS]),
+                                          return_future=True).result(timeout=_PROBE_TIMEOUT_S + 5)
+            except Exception as e:
+                logger.debug("dial-back probe through %s failed (attempt %d): %r", peer_id, attempt + 1, e)
+                continue
+            if isinstance(answer, dict) and "open" in answer:
+                return answer
+            logger.debug("dial-back probe through %s failed (attempt %d): %r", peer_id, attempt + 1, answer)
+        pause = 1.0 + attempt
+        if attempt == _PROBE_ATTEMPTS - 1 or time.monotonic() + pause >= deadline:
+            break
+        time.sleep(pause)
     return None
 
 
 async def _ask(_dht: DHT, node: DHTNode, peer_id: str, ports: list[int]) -> dict:
-    """Runs in the DHT's process (``run_coroutine`` pickles it: a module-level function with plain arguments)."""
-    _, reader, writer = await asyncio.wait_for(
-        node.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROBE_HANDLER), _PROBE_TIMEOUT_S)
+    """Runs in the DHT's process (``run_coroutine`` pickles it: a module-level function with plain arguments). A
+    failure comes back as an answer with no "open" (raised, hivemind would log it as an error with a traceback)."""
+    try:
+        _, reader, writer = await asyncio.wait_for(
+            node.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROBE_HANDLER), _PROBE_TIMEOUT_S)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
     try:
         writer.write(json.dumps({"ports": ports}).encode() + b"\n")
         await writer.drain()

@@ -184,11 +184,11 @@ class SwarmLink:
         return {self.peer_id: beacon.own_record(), **beacon.peers}
 
     def peers_behind(self, outer_step: int) -> int:
-        """Live peers whose last progress record is at an earlier outer step (as of the beacon's last read)."""
+        """Live peers we count whose last progress record is at an earlier outer step (as of the beacon's last read)."""
         beacon = self._beacon
         if beacon is None:
             return 0
-        return sum(int(r.get("outer_step", -1)) < outer_step for r in list(beacon.peers.values()))
+        return self.view.behind(dict(beacon.peers), outer_step)
 
     # averaging ------------------------------------------------------------------------------------
 
@@ -238,27 +238,28 @@ class SwarmLink:
         """One averaging with the live peers; each sender's weight is bounded by the tokens it published for the
         round (two rounds per fragment: a failed round's progress flows into the next), and what the reducers
         rejected comes back in the outcome."""
-        assert self._averager is not None
+        averager = self._averager  # close() may clear the attribute meanwhile (a SIGTERM while we average)
+        assert averager is not None
         try:
-            self._averager.take_rejections()  # left over from an abandoned attempt
-            self._averager.set_allowed_weights(self.view.ledger.allowed(outer_step, rounds=2 * self._fragments),
+            averager.take_rejections()  # left over from an abandoned attempt
+            averager.set_allowed_weights(self.view.ledger.allowed(outer_step, rounds=2 * self._fragments),
                                                self.view.shunned | self.view.history_banned)
         except Exception as e:  # the averager process is gone or stuck: run_averaging reports it
             logger.debug("could not pass the weight limits to the averager: %r", e)
         base = self._base()
         outcome = run_averaging(
-            self._averager, tensors, weight, outer_step, self.config.averaging_timeout_s, 1 + len(live),
+            averager, tensors, weight, outer_step, self.config.averaging_timeout_s, 1 + len(live),
             lambda: self._moved_past(outer_step), base=str(base) if base else None,
-            part_norms=part_norms_of(tensors, self._averager.wire_codec.part_values),
+            part_norms=part_norms_of(tensors, averager.wire_codec.part_values),
         )
-        rejected = tuple(self._averager.take_rejections())
+        rejected = tuple(averager.take_rejections())
         if outcome.averaged is not None:
             self.view.participants = self.view.participants | set(outcome.peers)
-        banned = self._averager.banned_peers()
+        banned = averager.banned_peers()
         if banned != self.view.banned:
             self.view.banned = banned
             self._publish_bans()
-        self.view.left_out = self._averager.left_out_senders()
+        self.view.left_out = averager.left_out_senders()
         return dataclasses.replace(outcome, rejected=rejected) if rejected else outcome
 
     def _base(self) -> str | None:

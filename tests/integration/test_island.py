@@ -67,7 +67,8 @@ def _failure_logs(swarm) -> str:
 def test_torchrun_island_averages_with_a_single_peer_and_its_ranks_stay_identical(tmp_path, reaper):
     # the island starts first, as the swarm's first peer: torchrun and two ranks importing torch are the slowest
     # to start on a loaded 2-core machine; both peers begin training once both are in the swarm
-    swarm = local_swarm(tmp_path, reaper, ["--wait-for-peers", "2", "--max-time-s", "30"])
+    # 12 s of training together: ~20 rounds here (of ~0.7 s), where the checks below need 3
+    swarm = local_swarm(tmp_path, reaper, ["--wait-for-peers", "2", "--max-time-s", "12"])
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()), str(PEER_SCRIPT)]
     island = start_peer("island", tmp_path, [*swarm.flags, "--shard-index", "1", "--num-shards", "2"], None, entry=torchrun)
     reaper.append(island.process.pid)

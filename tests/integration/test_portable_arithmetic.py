@@ -131,10 +131,10 @@ def test_the_launcher_names_a_peer_that_cannot_join_and_exits_non_zero(tmp_path)
 @pytest.mark.timeout(300)
 def test_gpu_island_script_runs_its_cpu_parts(tmp_path):
     """scripts/gpu_island.py without a GPU: the byte comparison on the CPU's kernel sets, and one swarm of a bf16
-    island (autocast on the CPU here) beside two fp32 islands for 10 outer steps, every island weighted."""
+    island (autocast on the CPU here) beside two fp32 islands for 6 outer steps, every island weighted."""
     out = tmp_path / "gpu-island"
     command = [sys.executable, str(ROOT / "scripts" / "gpu_island.py"), "--out", str(out), "--device", "cpu",
-               "--outer-steps", "10", "--timeout-s", "200", *FAST_PEER_FLAGS, "--inner-steps", "10"]
+               "--outer-steps", "6", "--timeout-s", "200", *FAST_PEER_FLAGS, "--inner-steps", "10"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "gpu_island.json").read_text())
@@ -145,6 +145,6 @@ def test_gpu_island_script_runs_its_cpu_parts(tmp_path):
     assert "inner steps in bf16" in (out / "island0.log").read_text()  # autocast on the CPU, as a GPU island's
     assert "inner steps in fp32" in (out / "island1.log").read_text()
     for row in islands.values():
-        assert row["outer_steps"] >= 10 and row["forks_healed"] == 0 and row["tokens_per_s"] > 0, row
+        assert row["outer_steps"] >= 6 and row["forks_healed"] == 0 and row["tokens_per_s"] > 0, row
         assert 0.0 < row["weight_share"] < 1.0 and max(row["group_sizes"]) == 3, row
     assert "weight share" in done.stdout and "invariant 1: held" in done.stdout

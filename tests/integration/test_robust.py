@@ -70,17 +70,24 @@ def _wire_codec() -> WireCodec:
     return WireCodec(codec, part_values_for(codec, sum(math.prod(shape) for shape in SHAPES)))
 
 
-def _average_concurrently(averagers, inputs, weights, timeout_s=30.0):
+# how long a peer that every other one refuses (banned, a stranger) keeps searching: it tries all through the
+# others' matchmaking (2 s), and the test need not wait out a whole averaging timeout for its search to end
+REFUSED_S = 6.0
+
+
+def _average_concurrently(averagers, inputs, weights, timeout_s=30.0, last_s=None):
+    """One round of every averager at once; ``last_s``: the last averager's own timeout (one the others refuse)."""
     outcomes = [None] * len(averagers)
+    timeouts = [timeout_s] * (len(averagers) - 1) + [last_s or timeout_s]
 
     def work(index):
-        outcomes[index] = run_averaging(averagers[index], inputs[index], weights[index], 7, timeout_s, len(averagers))
+        outcomes[index] = run_averaging(averagers[index], inputs[index], weights[index], 7, timeouts[index], len(averagers))
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(averagers))]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=timeout_s + 30)
+        thread.join(timeout=max(timeouts) + 30)
     return outcomes
 
 
@@ -134,7 +141,7 @@ def test_a_reducer_returning_garbage_fails_the_round_then_is_banned_and_the_hone
         with averagers[0].get_tensors() as after:
             untouched = all(torch.equal(a, inputs[0][k]) or torch.equal(a, before[k]) for k, a in enumerate(after))
         bans = [sorted(averager.banned_peers()) for averager in averagers[:2]]
-        after_ban = _average_concurrently(averagers, inputs, [1.0, 1.0, 1.0])
+        after_ban = _average_concurrently(averagers, inputs, [1.0, 1.0, 1.0], last_s=REFUSED_S)
     finally:
         _close(dhts, averagers)
     for outcome in outcomes[:2]:
@@ -169,7 +176,7 @@ def test_cross_checked_rounds_never_apply_a_lying_reducers_average_and_ban_it():
                 untouched.append(all(torch.equal(a, inputs[0][k]) or torch.equal(a, before[k]) for k, a in enumerate(after)))
         rejections = averagers[0].take_rejections()
         bans = [sorted(averager.banned_peers()) for averager in averagers[:2]]
-        after_ban = _average_concurrently(averagers, inputs, [1.0, 1.0, 1.0])
+        after_ban = _average_concurrently(averagers, inputs, [1.0, 1.0, 1.0], last_s=REFUSED_S)
     finally:
         _close(dhts, averagers)
     for outcomes in rounds:
@@ -239,7 +246,7 @@ def test_a_stranger_cannot_write_records_join_a_group_or_download_state(tmp_path
         assert seen is not None and set(seen.value) == members  # the stranger's record is not believed
         inputs = [[torch.randn(shape) for shape in SHAPES] for _ in range(3)]
         started = time.monotonic()
-        outcomes = _average_concurrently(averagers, inputs, [1.0, 1.0, 1.0], timeout_s=15)
+        outcomes = _average_concurrently(averagers, inputs, [1.0, 1.0, 1.0], timeout_s=15, last_s=REFUSED_S)
         members_took_s = time.monotonic() - started
         assert all(o.status == "ok" and set(o.peers) == members for o in outcomes[:2]), [(o.status, o.reason) for o in outcomes]
         assert outcomes[2].status != "ok" and outcomes[2].averaged is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from p2p_diloco.core.config import SwarmConfig
+from p2p_diloco.swarm import reachability
 from p2p_diloco.swarm.joining import dht_options
 from p2p_diloco.swarm.reachability import direct_line, observed_endpoint, relay_of
 
@@ -60,3 +61,43 @@ def test_each_mode_starts_the_dht_its_own_way():
 def test_bad_reachability_settings_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         SwarmConfig(**overrides)
+
+
+class _AnsweringDHT:
+    """Stands in for the DHT's process: each probe gets the next of ``answers`` (an exception is raised)."""
+
+    def __init__(self, answers: list[object]):
+        self.answers, self.asked = list(answers), []
+
+    def get_visible_maddrs(self) -> list[str]:
+        return [f"/ip4/10.84.0.2/tcp/34777/p2p/{PEER}"]
+
+    def run_coroutine(self, coroutine: object, return_future: bool = False) -> object:
+        self.asked.append(coroutine.keywords["peer_id"])
+        answer = self.answers.pop(0) if self.answers else {"error": "no more answers"}
+
+        class Done:
+            def result(self, timeout: float) -> object:
+                if isinstance(answer, Exception):
+                    raise answer
+                return answer
+
+        return Done()
+
+
+def test_a_probe_that_every_initial_peer_failed_at_once_is_tried_again(monkeypatch):
+    slept = []
+    monkeypatch.setattr(reachability.time, "sleep", slept.append)
+    # both initial peers fail the first round (a connection not up yet), the second round's first one answers
+    dht = _AnsweringDHT([{"error": "stream reset"}, TimeoutError("no answer"), {"host": "10.84.0.2", "open": [34777]}])
+    initial = [f"/ip4/10.84.0.1/tcp/4001/p2p/{RELAY}", f"/ip4/10.84.0.5/tcp/4001/p2p/{PEER}"]
+    assert reachability.probe(dht, initial) == {"host": "10.84.0.2", "open": [34777]}
+    assert dht.asked == [RELAY, PEER, RELAY] and slept == [1.0]
+
+
+def test_a_probe_nobody_answers_gives_up_after_its_attempts(monkeypatch):
+    slept = []
+    monkeypatch.setattr(reachability.time, "sleep", slept.append)
+    dht = _AnsweringDHT([])
+    assert reachability.probe(dht, [f"/ip4/10.84.0.1/tcp/4001/p2p/{RELAY}", "/ip4/10.84.0.9/tcp/1"]) is None
+    assert dht.asked == [RELAY] * reachability._PROBE_ATTEMPTS and slept == [1.0, 2.0]

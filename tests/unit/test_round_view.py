@@ -89,3 +89,18 @@ def test_a_record_with_an_infinite_or_nan_rate_counts_its_tokens_and_breaks_noth
         "huge": dict(round=4, round_tokens=3000, rate=1e308, time=0.0),  # finite, but rate x age is not
     }
     assert _view().round_view(records, 4, NOW) == RoundView(live_peers=3, tokens_by_others=6000, peers_ahead=0)
+
+
+def test_at_the_planned_end_only_peers_we_count_are_waited_for_as_behind():
+    records = {
+        "slow": dict(outer_step=14),
+        "done": dict(outer_step=16),
+        "claimer": dict(outer_step=3),  # banned for claims no majority backed: it stays at a step of its own
+        "shunned": dict(outer_step=2),
+        "no step": dict(),
+    }
+    view = _view()
+    assert view.behind(records, 16) == 4
+    view.history_banned, view.shunned = frozenset({"claimer"}), frozenset({"shunned"})
+    assert view.behind(records, 16) == 2  # "slow" and the record with no step yet
+    assert view.behind(records, 14) == 1

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from p2p_diloco.swarm.averaging import run_averaging
@@ -24,6 +25,9 @@ class FakeAverager:
 
     def set_round(self, outer_step: int, expected_group_size: int | None) -> None:
         pass
+
+    def is_alive(self) -> bool:
+        return True
 
     def step(self, gather: dict, **kwargs: object) -> SimpleNamespace:
         self.requests.append(gather)
@@ -46,3 +50,27 @@ def test_a_group_of_one_base_is_applied_and_a_mixed_one_is_not():
     # without a base of our own (a bare averager), bases are not compared and none is declared
     outcome = run_averaging(mixed, tensors, 1.0, 4, timeout_s=5)
     assert outcome.status == "ok" and mixed.requests[-1] == dict(outer_step=4, weight=1.0)
+
+
+class DyingAverager(FakeAverager):
+    """Its process ends (a Ctrl-C sent to the peer's whole process group) while a step is in flight."""
+
+    def __init__(self):
+        super().__init__({})
+        self.alive = True
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def step(self, gather: dict, **kwargs: object) -> SimpleNamespace:
+        self.requests.append(gather)
+        self.alive = False
+        return SimpleNamespace(result=Future().result, stage=None)  # a step nobody will ever answer
+
+
+@pytest.mark.timeout(30)  # without the check, the wait for a step nobody answers never ends
+def test_a_step_of_an_averager_that_died_ends_the_round_instead_of_waiting_for_it():
+    averager = DyingAverager()
+    outcome = run_averaging(averager, [torch.ones(3)], 1.0, 4, timeout_s=3600)
+    assert outcome.status == "error" and outcome.averaged is None and outcome.reason == "the averager process is gone"
+    assert len(averager.requests) == 1  # not tried again either
