@@ -199,9 +199,9 @@ class SwarmConfig:
     progress_idle_period_s: float = knob(0.0, "the same while the round's end is over 3 of these away and no peer "
                                          "joined lately (0: the larger of 5 s and progress_period_s)")
     progress_ttl_s: float = knob(20.0, "a peer whose progress record is older than this many seconds counts as gone")
-    progress_transport: str = knob("dht", "how progress records travel: dht (a DHT store and read every period) or "
-                                   "push (straight to the peers this one knows; a DHT store and read every 10th period "
-                                   "find peers not yet known; about a third of the bytes in a swarm of 4)",
+    progress_transport: str = knob("push", "how progress records travel: push (straight to the peers this one knows; "
+                                   "a DHT store and read every 10th period find peers not yet known; about a third of "
+                                   "the bytes of dht in a swarm of 4) or dht (a DHT store and read every period)",
                                    choices=PROGRESS_TRANSPORTS)
     startup_timeout_s: float = knob(60.0, "seconds allowed for joining the DHT at start")
     swarm_key_file: str | None = knob(None, "close the run: a file with a secret (>= 16 bytes) every member holds; only "
