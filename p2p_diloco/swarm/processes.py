@@ -28,26 +28,41 @@ def kill_if_alive(process: Any, wait_s: float = 5.0) -> None:
         process.join(timeout=wait_s)
 
 
-def lower_priority(increment: int, pids: list[int], with_descendants: bool = True) -> int:
+def lower_priority(increment: int, pids: list[int], with_descendants: bool = True, every_thread: bool = True) -> int:
     """Raise the nice value of ``pids`` (the DHT's and the averager's processes), and of their descendants (``p2pd``),
     by ``increment``, so that on a machine whose cores all train, the training goes first (docs/benchmarks.md,
-    "Where a peer's time goes"). Returns how many were lowered; where the OS refuses, nothing."""
+    "Where a peer's time goes"). Returns how many processes were lowered; where the OS refuses, nothing.
+
+    On Linux a nice value belongs to a thread, and ``setpriority`` on a pid reaches its main thread alone: the
+    averager's event loop and ``p2pd``'s Go threads kept nice 0 until every thread was lowered (``every_thread``).
+    Threads started later inherit the value of the thread that starts them."""
     if increment <= 0 or not hasattr(os, "setpriority"):
         return 0
     lowered = 0
     for pid in [*pids, *(child for root in pids for child in descendants(root))] if with_descendants else pids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, pid) + increment))
-            lowered += 1
-        except OSError:
-            pass
+        done = False
+        for tid in _threads(pid) if every_thread else [pid]:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+                done = True
+            except OSError:  # gone meanwhile, or refused
+                pass
+        lowered += done
     return lowered
+
+
+def _threads(pid: int) -> list[int]:
+    """The thread ids of process ``pid`` (Linux /proc; elsewhere, or if unreadable, just ``pid``)."""
+    try:
+        return sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task") if tid.isdigit()) or [pid]
+    except OSError:
+        return [pid]
 
 
 def lower_this_thread(increment: int) -> None:
     """Raise the calling thread's nice value by ``increment`` (Linux: a thread id is a ``PRIO_PROCESS`` target)."""
     if increment > 0 and sys.platform.startswith("linux"):
-        lower_priority(increment, [threading.get_native_id()], with_descendants=False)
+        lower_priority(increment, [threading.get_native_id()], with_descendants=False, every_thread=False)
 
 
 def descendants(root: int | None = None) -> list[int]:

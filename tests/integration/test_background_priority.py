@@ -18,17 +18,21 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ni
 
 def test_background_processes_and_threads_are_lowered_and_the_trainer_is_not():
     own = os.getpriority(os.PRIO_PROCESS, 0)
+    # the child runs a second thread, as the averager's event loop and p2pd's Go threads do
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', "
-                               "'import time; time.sleep(30)'])"])
+                               "'import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); "
+                               "time.sleep(30)'])"])
     try:
-        for _ in range(100):  # its child starts a moment later
-            if descendants(parent.pid):
+        for _ in range(200):  # its child starts a moment later, and its second thread after that
+            if descendants(parent.pid) and len(os.listdir(f"/proc/{descendants(parent.pid)[0]}/task")) >= 2:
                 break
             threading.Event().wait(0.05)
         family = [parent.pid, *descendants(parent.pid)]
         assert len(family) == 2
+        threads = [int(tid) for pid in family for tid in os.listdir(f"/proc/{pid}/task")]
+        assert len(threads) >= 3
         assert lower_priority(5, [parent.pid]) == 2
-        assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in family] == [min(19, own + 5)] * 2
+        assert [os.getpriority(os.PRIO_PROCESS, tid) for tid in threads] == [min(19, own + 5)] * len(threads)
         assert lower_priority(0, [parent.pid]) == 0  # 0 leaves them
         seen: list[int] = []
 
