@@ -6,7 +6,8 @@ loop reads like the algorithm: the loop calls ``catch_up`` at a round's end and 
   verified by the link (core/verify.py ``state_problem`` and its sha256);
 - a next step that no majority backs (a swarm of two) is taken only if this peer recomputes it from its own state and
   the average its donor serves, and that average passes a reducer result's checks (``next_step_problem``);
-- a fork at a step this peer's own group made is said in one line (its arithmetic differs: docs/design.md §5);
+- a fork at a step this peer's own group made is said in one line (its arithmetic differs: docs/design.md §5), whether
+  the swarm is still at that step or, by the downloaded state's history, has moved on;
 - a failed averaging that the swarm applied after all (the donor's round history names us) is not counted twice.
 """
 
@@ -55,7 +56,12 @@ def catch_up(learner: Learner, link: Link) -> bool:
             link.refuse_donor(state.donor, problem)
             return False
     before = learner.outer_step
-    forked = state.outer_step <= before  # other bytes at our step, or a history most of the swarm holds
+    # other bytes at our step, a history most of the swarm holds, or (a state ahead) a donor's history that holds other
+    # bytes for our step: the swarm moved on from a step we computed otherwise before we could see it at that step
+    theirs_then = dict(state.chain).get(before) if state.outer_step > before else None
+    forked = state.outer_step <= before or (theirs_then is not None and theirs_then != learner.global_sha256)
+    if forked and theirs_then is not None:
+        _note_mismatch_in_history(learner, state, link.peer_id, theirs_then)
     _take_state(learner, state, link.peer_id)
     learner.catch_ups += 1
     learner.forks_healed += int(forked)
@@ -127,6 +133,21 @@ def _note_arithmetic_mismatch(learner: Learner, link: Link) -> None:
         "this peer's hardware computed outer step %d differently from %d of %d groupmates (ours %s, theirs %s): "
         "same inputs, other bytes; taking the swarm's state", step, differ, len(reported), learner.global_sha256[:12],
         ", ".join(sha[:12] for sha in others),
+    )
+
+
+def _note_mismatch_in_history(learner: Learner, state: SwarmState, peer_id: str, theirs: str) -> None:
+    """As ``_note_arithmetic_mismatch``, for a fork found only in a downloaded state's history: the donor's history
+    holds ``theirs`` for our outer step, and says that step was made by the very group we averaged it with."""
+    step = learner.outer_step
+    ours = set(learner.round_history.get(step - 1, ()))
+    if not ours - {peer_id} or step in learner.arithmetic_mismatches or set(state.round_history.get(step - 1, ())) != ours:
+        return
+    learner.arithmetic_mismatches.append(step)
+    logger.warning(
+        "this peer's hardware computed outer step %d differently from its group of %d (ours %s, theirs %s in %s's "
+        "history): same inputs, other bytes; taking the swarm's state", step, len(ours), learner.global_sha256[:12],
+        theirs[:12], state.donor,
     )
 
 

@@ -5,6 +5,7 @@ thread count are checked in subprocesses: tests/integration/test_portable_arithm
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -141,3 +142,41 @@ def test_a_peer_whose_own_group_computed_its_step_otherwise_says_so_once_and_cou
     learner.metrics = type("Sink", (), {"write": lambda self, r: record.update(r)})()
     learner.write(link, AveragingOutcome(None, (), 0.0, "no_group"))
     assert record["arithmetic_mismatches"] == 1
+
+
+def test_a_step_our_group_computed_otherwise_is_said_when_the_swarm_moved_on_before_we_saw_it(make_config, caplog):
+    """The groupmates took the next step (without us: our base differed) before our catch-up looked, so the swarm is
+    ahead rather than at our step with other bytes: the downloaded state's history shows the fork at our step."""
+    def at_step_5(group_of_step_3: tuple[str, ...]) -> tuple[Learner, AheadLink, str]:
+        learner = Learner(make_config(inner=InnerConfig(inner_steps=1, batch_size=2)), make_dataset(make_config()),
+                          NullSink())
+        learner.outer_step = 4
+        learner.round_history[3] = ("fake", "peerA", "peerB")  # this peer averaged step 3 -> 4 with A and B
+        momentum = snapshot(learner.outer.momentum_buffers)
+        theirs = [p + 1e-7 for p in learner.global_params]
+        state = SwarmState(5, theirs, momentum, 5, 0, state_sha256(theirs, momentum), donor="peerA",
+                           round_history={3: group_of_step_3, 4: ("peerA", "peerB")},
+                           chain=((3, "3" * 64), (4, "4" * 64), (5, state_sha256(theirs, momentum))))
+        return learner, AheadLink(5, state), learner.global_sha256
+
+    learner, link, ours = at_step_5(("fake", "peerA", "peerB"))
+    with caplog.at_level(logging.WARNING):
+        assert learner.catch_up(link) is True
+    lines = [r.getMessage() for r in caplog.records if "differently" in r.getMessage()]
+    assert lines == [f"this peer's hardware computed outer step 4 differently from its group of 3 (ours {ours[:12]}, "
+                     f"theirs {'4' * 12} in peerA's history): same inputs, other bytes; taking the swarm's state"]
+    assert learner.arithmetic_mismatches == [4] and learner.forks_healed == 1 and learner.outer_step == 5
+
+    # the donor's history says another group made step 4 (A and B alone): a plain fork, healed, not our arithmetic
+    learner, link, ours = at_step_5(("peerA", "peerB"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert learner.catch_up(link) is True
+    assert not [r for r in caplog.records if "differently" in r.getMessage()]
+    assert learner.arithmetic_mismatches == [] and learner.forks_healed == 1
+
+    # the donor's history holds our bytes for step 4: we were merely behind
+    learner, link, ours = at_step_5(("fake", "peerA", "peerB"))
+    link.state = dataclasses.replace(link.state, chain=((4, ours), (5, link.state.global_sha256)))
+    assert learner.catch_up(link) is True
+    assert learner.arithmetic_mismatches == [] and learner.forks_healed == 0
