@@ -140,9 +140,8 @@ def probe(dht: DHT, initial_peers: Sequence[str]) -> dict | None:
             try:
                 answer = dht.run_coroutine(partial(_ask, peer_id=peer_id.to_base58(), ports=ports[:_PROBE_PORTS]),
                                           return_future=True).result(timeout=_PROBE_TIMEOUT_S + 5)
-            except Exception as e:
-                logger.debug("dial-back probe through %s failed (attempt %d): %r", peer_id, attempt + 1, e)
-                continue
+            except Exception as e:  # the DHT's process did not answer in time
+                answer = {"error": repr(e)}
             if isinstance(answer, dict) and "open" in answer:
                 return answer
             logger.debug("dial-back probe through %s failed (attempt %d): %r", peer_id, attempt + 1, answer)

@@ -243,7 +243,7 @@ class SwarmLink:
         try:
             averager.take_rejections()  # left over from an abandoned attempt
             averager.set_allowed_weights(self.view.ledger.allowed(outer_step, rounds=2 * self._fragments),
-                                               self.view.shunned | self.view.history_banned)
+                                         self.view.shunned | self.view.history_banned)
         except Exception as e:  # the averager process is gone or stuck: run_averaging reports it
             logger.debug("could not pass the weight limits to the averager: %r", e)
         base = self._base()
