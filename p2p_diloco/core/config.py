@@ -136,7 +136,12 @@ class InnerConfig:
     inner_steps: int = knob(50, "H: inner AdamW steps per peer per round at equal speeds; sets the default round budget",
                             metavar="H")
     batch_size: int = knob(16, "sequences per inner step")
-    lr: float = knob(1e-3, "AdamW learning rate", flag="--inner-lr")
+    lr: float = knob(1e-3, "AdamW learning rate (the peak, with a schedule)", flag="--inner-lr")
+    warmup_steps: int = knob(0, "inner steps of linear lr warm-up at the start of the run (counted on the swarm's "
+                             "outer step, so a late joiner does not warm up again)", flag="--inner-warmup-steps")
+    lr_decay_steps: int = knob(0, "cosine decay of the inner lr to lr x lr_floor at this inner step of the run (outer "
+                               "steps x H); 0: a constant lr after the warm-up", flag="--inner-lr-decay-steps")
+    lr_floor: float = knob(0.1, "the fraction of the peak lr the decay ends at", flag="--inner-lr-floor")
     weight_decay: float = knob(0.1, "AdamW decoupled weight decay")
     grad_clip_norm: float = knob(1.0, "clip the global grad norm to this; 0 disables clipping")
     tokens_per_round: int = knob(0, "tokens the whole swarm processes per round (0: H x batch tokens x live peers); a "
@@ -153,6 +158,11 @@ class InnerConfig:
         _require(self.batch_size >= 1, f"inner.batch_size must be >= 1, got {self.batch_size}")
         _require(self.lr > 0, f"inner.lr must be > 0, got {self.lr}")
         _require(self.weight_decay >= 0, f"inner.weight_decay must be >= 0, got {self.weight_decay}")
+        _require(self.warmup_steps >= 0, f"inner.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _require(self.lr_decay_steps == 0 or self.lr_decay_steps > self.warmup_steps,
+                 f"inner.lr_decay_steps ({self.lr_decay_steps}) must be 0 (no decay) or more than inner.warmup_steps "
+                 f"({self.warmup_steps})")
+        _require(0 < self.lr_floor <= 1, f"inner.lr_floor must be in (0, 1], got {self.lr_floor}")
         _require(self.grad_clip_norm >= 0, f"inner.grad_clip_norm must be >= 0, got {self.grad_clip_norm}")
         _require(self.tokens_per_round >= 0, f"inner.tokens_per_round must be >= 0, got {self.tokens_per_round}")
         _require(self.round_deadline_s >= 0, f"inner.round_deadline_s must be >= 0 s, got {self.round_deadline_s}")

@@ -41,6 +41,7 @@ from p2p_diloco.core.config import PeerConfig
 from p2p_diloco.core.history import CHAIN, Node
 from p2p_diloco.core.link import AveragingOutcome, Link, LocalLink
 from p2p_diloco.core.outer import OuterOptimizer, Segment, state_sha256
+from p2p_diloco.core.schedule import lr_factor
 from p2p_diloco.observe.metrics import MetricsSink
 from p2p_diloco.train import checkpoints, recorder, run_edges
 from p2p_diloco.train.catch_up import catch_up
@@ -246,6 +247,9 @@ class Learner:
         loss.backward()
         if self.config.inner.grad_clip_norm:
             torch.nn.utils.clip_grad_norm_(self.params, self.config.inner.grad_clip_norm)
+        lr = self.inner_lr()
+        for group in self.inner.param_groups:
+            group["lr"] = lr
         self.inner.step()
         self.island.trained()
         if self.config.inner.throttle > 1:  # emulate older hardware: each step takes `throttle` times as long
@@ -262,6 +266,15 @@ class Learner:
         self.send_rate.sample(link.traffic()[0], time.monotonic())
         link.publish(round=self.round_index, round_tokens=self.rounds.tokens, tokens=self.tokens_total,
                      rate=round(self.rounds.rate, 1))
+
+    def inner_lr(self) -> float:
+        """The lr of the next inner step: the configured one, through the schedule (core/schedule.py) at the swarm's
+        nominal inner step (H per round the swarm made, a fragment's share of it per outer step, plus ours since)."""
+        inner = self.config.inner
+        if not (inner.warmup_steps or inner.lr_decay_steps):
+            return inner.lr
+        step = self.round_index * inner.inner_steps // len(self.fragments) + self.rounds.steps
+        return inner.lr * lr_factor(step, inner.warmup_steps, inner.lr_decay_steps, inner.lr_floor)
 
     def round_is_over(self, link: Link) -> bool:
         """The swarm's round is over (train/rounds.py: its tokens reached the budget, a peer moved on, a deadline)."""

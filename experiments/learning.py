@@ -1,0 +1,438 @@
+"""The learning study: DiLoCo's loss gap to tuned synchronous data parallel, against bytes on the wire per token.
+
+    python scripts/learning_study.py run --out docs/learning [--jobs 2] [--phase tune-syncdp outer-grid seeds]
+    python scripts/learning_study.py report --out docs/learning
+
+Both methods are computed in one process each, without a network (as equal_tokens.py does, whose arithmetic this
+shares), on the default model and the built-in corpus, with the settings the papers tune on (docs/learning.md):
+
+- **the same budget**: ``STEPS`` inner steps per island, ``PEERS`` islands of ``BATCH`` sequences each; sync DP takes
+  ``STEPS`` steps at the global batch (``PEERS x BATCH`` sequences, one forward of all of them: the mean of the
+  shards' mean losses, as they are equal in size), so both see exactly the same tokens;
+- **the same inner lr schedule**: linear warm-up over ``WARMUP`` steps, then a cosine decay to ``FINAL_LR_FRACTION``
+  of the peak at the last step, indexed by the inner step (each island's AdamW keeps its state across rounds, as a
+  peer's does);
+- **the codec on both hops**: a sender's outer gradient goes through the codec (int4 with the sender's error
+  feedback, as a peer sends it), the group's mean goes through it again (the reducer's re-encode);
+- **one held-out set**: the loss at the end is measured on ``FINAL_EVAL_BATCHES`` batches of 16 held-out sequences
+  (the same for every run); the curve on the way on the first 4 of them.
+
+Each finished run is appended to ``results.jsonl`` under ``--out`` at once; ``run`` skips the runs already there,
+so the study resumes where it stopped (and can grow across sessions). ``report`` writes ``study.md`` (the table)
+and ``study.png`` (the gap against bytes per token, seeds as a band) from that file alone.
+
+Wire bytes per token count what one peer sends per token it trained: in a butterfly all-reduce of n peers each
+sends (n - 1)/n of its outer gradient to the reducers and each reducer sends (n - 1)/n of its averaged part back,
+so 2 (n - 1)/n x params x codec bytes per value per round, over H x batch tokens; fp32 sync DP sends the same
+every step with 4 bytes per value. The ratio to fp32 sync DP is 4 H / bytes per value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from p2p_diloco.core.compression import ErrorFeedback, make_codec
+from p2p_diloco.core.config import COMPRESSIONS, DataConfig, InnerConfig, ModelConfig, OuterConfig
+from p2p_diloco.core.outer import OuterOptimizer
+from p2p_diloco.core.schedule import lr_factor as schedule_factor
+from p2p_diloco.train.data import Dataset
+from p2p_diloco.train.model import build_model
+
+PEERS = 4  # islands, and sync DP's data-parallel workers
+BATCH = 2  # sequences per inner step per island (x 128 tokens): sync DP's global batch is PEERS x BATCH
+STEPS = 4800  # inner steps per island: 30 outer steps at H = 160, 480 at H = 10; every H on the curve divides it
+WARMUP = 100  # inner steps of linear lr warm-up, shared by both methods
+FINAL_LR_FRACTION = 0.1  # the cosine decay ends at this fraction of the peak lr
+FINAL_EVAL_BATCHES = 16  # batches of 16 held-out sequences for the final loss (262,144 tokens)
+CURVE_POINTS = 24  # evaluations on the way (at the outer step nearest to each 1/24 of the run)
+
+SYNC_DP_LRS = (1e-3, 2e-3, 4e-3)  # inner (AdamW) peak lr grid, shared: DiLoCo uses sync DP's best
+DILOCO_POINTS = ((10, "int8"), (40, "int8"), (120, "int8"), (160, "int4"))  # (H, codec): 39x, 158x, 473x, 1138x
+OUTER_GRID = ((1.0, 0.0), (0.7, 0.9), (0.35, 0.9), (0.8, 0.6))  # (outer lr, Nesterov momentum)
+SEEDS = (0, 1, 2)
+SCHEDULES = ("fixed", "grow")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of the study: sync DP, or DiLoCo at one H, codec and outer optimizer."""
+
+    method: str  # "syncdp" or "diloco"
+    inner_lr: float
+    seed: int = 0
+    inner_steps: int = 1  # H (sync DP: 1, it communicates every step)
+    compression: str = "none"  # sync DP: fp32 gradients
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    steps: int = STEPS
+    peers: int = PEERS
+    batch_size: int = BATCH
+    eval_batches: int = FINAL_EVAL_BATCHES
+    schedule: str = "fixed"  # "grow": the same number of rounds, H rising from H/2 to 3H/2 (round_ends)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.method not in ("syncdp", "diloco"):
+            raise ValueError(f"method must be syncdp or diloco, got {self.method!r}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        if self.steps % self.inner_steps:
+            raise ValueError(f"H = {self.inner_steps} does not divide the {self.steps} inner steps")
+
+    @property
+    def key(self) -> str:
+        size = "" if (self.peers, self.batch_size, self.steps) == (PEERS, BATCH, STEPS) else (
+            f" peers={self.peers} batch={self.batch_size} steps={self.steps}")
+        if self.method == "syncdp":
+            return f"syncdp lr={self.inner_lr:g} seed={self.seed}{size}"
+        schedule = "" if self.schedule == "fixed" else f" {self.schedule}"
+        return (f"diloco H={self.inner_steps}{schedule} {self.compression} lr={self.inner_lr:g} "
+                f"outer={self.outer_lr:g}/{self.outer_momentum:g} seed={self.seed}{size}")
+
+    def round_ends(self) -> list[int]:
+        """The inner step at which each round ends. ``fixed``: every H steps. ``grow``: as many rounds (the same
+        bytes), H rising linearly from about H/2 to 3H/2, so that more of the bytes go to the early rounds, where
+        the islands drift apart fastest: round r of R ends at steps x x (1 + x) / 2, x = r / R."""
+        rounds = self.steps // self.inner_steps
+        if self.schedule == "fixed":
+            return [self.inner_steps * (r + 1) for r in range(rounds)]
+        return [round(self.steps * (r / rounds) * (1 + r / rounds) / 2) for r in range(1, rounds + 1)]
+
+    @property
+    def bytes_per_value(self) -> float:
+        return 4.0 if self.method == "syncdp" else make_codec(self.compression).bytes_per_value()
+
+    def wire_bytes_per_token(self, params: int, seq_len: int) -> float:
+        """What one peer sends per token it trained (module docstring)."""
+        sent_per_round = 2 * (self.peers - 1) / self.peers * params * self.bytes_per_value
+        return sent_per_round / (self.inner_steps * self.batch_size * seq_len)
+
+    @property
+    def fewer_bytes_than_syncdp(self) -> float:
+        return 4.0 * self.inner_steps / self.bytes_per_value
+
+
+def lr_factor(step: int, steps: int, warmup: int = WARMUP, final: float = FINAL_LR_FRACTION) -> float:
+    """The inner lr at ``step`` (0-based) as a fraction of the peak: the peer's schedule (core/schedule.py) with a
+    linear warm-up over ``warmup`` steps and a cosine decay to ``final`` at the run's last step."""
+    return schedule_factor(step, warmup, steps, final)
+
+
+def _shards(run: Run) -> tuple[ModelConfig, list[Dataset], list]:
+    torch.set_num_threads(1)
+    config = ModelConfig()
+    shards = [Dataset(DataConfig(num_shards=run.peers, shard_index=i), config.seq_len, run.batch_size, run.seed)
+              for i in range(run.peers)]
+    held_out = Dataset(DataConfig(num_shards=run.peers, shard_index=0), config.seq_len, 16, 0).eval_batches(run.eval_batches)
+    return config, shards, held_out
+
+
+def _evaluate(model: torch.nn.Module, batches: list) -> float:
+    model.eval()
+    with torch.no_grad():
+        return sum(model(x, y).item() for x, y in batches) / len(batches)
+
+
+def _adamw(model: torch.nn.Module, run: Run) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    inner = InnerConfig()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=run.inner_lr, weight_decay=inner.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, run.steps))
+
+
+def _step(model: torch.nn.Module, optimizer, schedule, inputs, targets) -> None:
+    model.train()
+    loss = model(inputs, targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(model.parameters()), InnerConfig().grad_clip_norm)
+    optimizer.step()
+    schedule.step()
+
+
+def _curve_every(run: Run) -> int:
+    """Rounds between evaluations on the way: about CURVE_POINTS of them in all."""
+    return max(1, run.steps // run.inner_steps // CURVE_POINTS)
+
+
+def train(run: Run) -> dict:
+    """One run from the seeded init to the end of its budget; its final held-out loss and the curve on the way."""
+    started = time.monotonic()
+    config, shards, held_out = _shards(run)
+    tokens_per_step = run.peers * run.batch_size * config.seq_len  # swarm tokens per inner step (all islands)
+    global_model = build_model(config, run.seed)
+    params = sum(p.numel() for p in global_model.parameters())
+    curve = [(0, _evaluate(global_model, held_out[:4]))]
+    cosines: list[float] = []
+    if run.method == "syncdp":
+        optimizer, schedule = _adamw(global_model, run)
+        for step in range(run.steps):
+            batches = [shard.train.next_batch() for shard in shards]
+            _step(global_model, optimizer, schedule, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+            if (step + 1) % _curve_every(run) == 0:
+                curve.append(((step + 1) * tokens_per_step, _evaluate(global_model, held_out[:4])))
+    else:
+        islands = [build_model(config, run.seed) for _ in range(run.peers)]
+        optimizers = [_adamw(island, run) for island in islands]
+        global_params = [p.data for p in global_model.parameters()]
+        outer = OuterOptimizer(global_params, OuterConfig(lr=run.outer_lr, momentum=run.outer_momentum))
+        codec = make_codec(run.compression)
+        feedback = [ErrorFeedback(codec) for _ in islands] if run.compression == "int4" else None
+
+        def round_trip(tensors):
+            return [codec.decode(codec.encode(t.reshape(-1)), t.numel()).reshape(t.shape) for t in tensors]
+
+        ends, previous = run.round_ends(), None
+        for round_index, (begin, end) in enumerate(zip([0, *ends], ends)):
+            sent = []
+            for i, (island, (optimizer, schedule), shard) in enumerate(zip(islands, optimizers, shards)):
+                for _ in range(end - begin):
+                    _step(island, optimizer, schedule, *shard.train.next_batch())
+                outer_grad = [g - p.detach() for g, p in zip(global_params, island.parameters())]
+                if feedback:
+                    values, residual = feedback[i].prepare(outer_grad)
+                    feedback[i].commit(residual)
+                    sent.append(values)
+                else:
+                    sent.append(round_trip(outer_grad))
+            average = round_trip([torch.stack(parts).mean(0) for parts in zip(*sent)])  # the reducer's re-encode
+            flat = torch.cat([a.reshape(-1) for a in average])
+            if previous is not None:  # how alike consecutive outer gradients are: momentum's gain depends on it
+                cosines.append(float(torch.nn.functional.cosine_similarity(flat, previous, dim=0)))
+            previous = flat
+            outer.step(average)
+            for island in islands:
+                with torch.no_grad():
+                    for param, value in zip(island.parameters(), global_params):
+                        param.copy_(value)
+            if (round_index + 1) % _curve_every(run) == 0:
+                curve.append((end * tokens_per_step, _evaluate(global_model, held_out[:4])))
+    final = _evaluate(global_model, held_out)
+    diagnostics = {}
+    if run.method == "diloco" and cosines:
+        quarter = max(1, len(cosines) // 4)
+        diagnostics = dict(outer_grad_cosine_first_quarter=round(sum(cosines[:quarter]) / quarter, 4),
+                           outer_grad_cosine_last_quarter=round(sum(cosines[-quarter:]) / quarter, 4))
+    return dict(
+        asdict(run), **diagnostics, key=run.key, final_loss=round(final, 5), tokens=run.steps * tokens_per_step,
+        outer_steps=run.steps // run.inner_steps if run.method == "diloco" else 0,
+        wire_bytes_per_token=round(run.wire_bytes_per_token(params, config.seq_len), 3),
+        fewer_bytes_than_syncdp=round(run.fewer_bytes_than_syncdp, 1),
+        curve=[(t, round(loss, 4)) for t, loss in curve], seconds=round(time.monotonic() - started, 1),
+        torch=torch.__version__,
+    )
+
+
+def load(out: Path) -> list[dict]:
+    path = out / "results.jsonl"
+    results = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    for result in results:
+        result.setdefault("schedule", "fixed")  # rows written before schedules existed
+    return results
+
+
+def _standard(result: dict) -> bool:
+    """A run of the study's own size (the one-island checks are not)."""
+    return (result["peers"], result["batch_size"], result["steps"]) == (PEERS, BATCH, STEPS)
+
+
+def _best(results: list[dict], **match) -> dict | None:
+    """The standard run with the lowest final loss among those of seed 0 matching every ``match`` field."""
+    runs = [r for r in results if _standard(r) and r["seed"] == 0 and all(r[k] == v for k, v in match.items())]
+    return min(runs, key=lambda r: r["final_loss"]) if runs else None
+
+
+def _like(best: dict, **changes) -> Run:
+    """``best``'s DiLoCo run with ``changes``."""
+    fields = dict(inner_steps=best["inner_steps"], compression=best["compression"], outer_lr=best["outer_lr"],
+                  outer_momentum=best["outer_momentum"], schedule=best["schedule"])
+    return Run("diloco", **{"inner_lr": best["inner_lr"], **fields, **changes})
+
+
+def plan(phase: str, results: list[dict]) -> list[Run]:
+    """The runs of ``phase``, given what is done: a later phase builds on an earlier one's best settings."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}")
+    if phase == "tune-syncdp":
+        return [Run("syncdp", lr) for lr in SYNC_DP_LRS]
+    best_dp = _best(results, method="syncdp")
+    if best_dp is None:
+        return []  # nothing to build on yet
+    lr = best_dp["inner_lr"]
+    if phase == "outer-grid":
+        return [Run("diloco", lr, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m)
+                for h, c in DILOCO_POINTS for o, m in OUTER_GRID]
+    bests = [b for h, c in DILOCO_POINTS if (b := _best(results, method="diloco", inner_steps=h, compression=c,
+                                                         inner_lr=lr, schedule="fixed"))]
+    targets = [b for b in bests if b["fewer_bytes_than_syncdp"] >= 400]  # the points of the issue's targets
+    if phase == "seeds":
+        return [Run("syncdp", lr, seed=s) for s in SEEDS[1:]] + [_like(b, seed=s) for b in targets for s in SEEDS[1:]]
+    if phase == "inner-lr":  # DiLoCo's own inner lr, at the points of the targets (>= 400x and >= 1,000x)
+        return [_like(b, inner_lr=lr * f) for b in targets for f in (0.5, 2.0)]
+    if phase == "schedule":
+        return [_like(b, schedule="grow") for b in bests]
+    # checks: one island, tuned outer optimizer (the >= 400x point's), against plain AdamW on the same batches
+    if not targets:
+        return []
+    one = dict(peers=1, steps=STEPS)
+    return [Run("syncdp", lr, **one), _like(targets[0], **one), _like(targets[0], outer_lr=1.0, outer_momentum=0.0, **one)]
+
+
+PHASES = ("tune-syncdp", "outer-grid", "seeds", "schedule", "checks", "inner-lr")
+
+
+def run_study(out: Path, phases: list[str], jobs: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for phase in phases:
+        done = {r["key"] for r in load(out)}
+        todo = [run for run in plan(phase, load(out)) if run.key not in done]
+        print(f"{phase}: {len(todo)} runs to do", flush=True)
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            for future in as_completed([pool.submit(train, run) for run in todo]):  # each saved as soon as it ends
+                result = future.result()
+                with (out / "results.jsonl").open("a") as f:
+                    f.write(json.dumps(result) + "\n")
+                print(f"  {result['key']}: loss {result['final_loss']:.4f} in {result['seconds']:.0f} s", flush=True)
+
+
+_POINT = ("inner_steps", "compression", "schedule", "inner_lr", "outer_lr", "outer_momentum")
+
+
+def summarize(results: list[dict]) -> dict:
+    """Sync DP's tuned loss and, per DiLoCo setting (_POINT), its gap to it over the seeds both ran (standard runs);
+    the one-island checks beside."""
+    best_dp = _best(results, method="syncdp")
+    if best_dp is None:
+        return dict(syncdp=None, points=[], checks=[])
+    standard = [r for r in results if _standard(r)]
+    dp = {r["seed"]: r["final_loss"] for r in standard if r["method"] == "syncdp" and r["inner_lr"] == best_dp["inner_lr"]}
+    groups: dict[tuple, list[dict]] = {}
+    for r in standard:
+        if r["method"] == "diloco":
+            groups.setdefault(tuple(r[k] for k in _POINT), []).append(r)
+    points = []
+    for key, runs in sorted(groups.items()):
+        runs = [r for r in runs if r["seed"] in dp]
+        if not runs:
+            continue
+        gaps = [r["final_loss"] / dp[r["seed"]] - 1 for r in runs]
+        points.append(dict(
+            zip(_POINT, key), seeds=len(gaps), gap_mean=sum(gaps) / len(gaps), gap_min=min(gaps), gap_max=max(gaps),
+            loss_mean=sum(r["final_loss"] for r in runs) / len(runs), outer_steps=runs[0]["outer_steps"],
+            wire_bytes_per_token=runs[0]["wire_bytes_per_token"], fewer_bytes_than_syncdp=runs[0]["fewer_bytes_than_syncdp"],
+        ))
+    checks = [r for r in results if r["peers"] == 1]
+    return dict(syncdp=dict(inner_lr=best_dp["inner_lr"], seeds=len(dp), loss_mean=sum(dp.values()) / len(dp),
+                            bytes_per_token=best_dp["wire_bytes_per_token"],
+                            grid={r["inner_lr"]: r["final_loss"] for r in standard if r["method"] == "syncdp" and r["seed"] == 0}),
+                points=points, checks=checks)
+
+
+def method_name(point: dict, syncdp_lr: float) -> str:
+    """One curve of the picture: the outer optimizer, the schedule, and the inner lr where it is not sync DP's."""
+    if point["outer_momentum"] == 0 and point["outer_lr"] == 1.0:
+        name = "plain averaging (lr 1, momentum 0)"
+    else:
+        name = f"Nesterov lr {point['outer_lr']:g}, momentum {point['outer_momentum']:g}"
+    if point["schedule"] == "grow":
+        name += ", H growing"
+    if point["inner_lr"] != syncdp_lr:
+        name += f", inner lr {point['inner_lr']:g}"
+    return name
+
+
+def report(out: Path) -> str:
+    summary = summarize(load(out))
+    dp = summary["syncdp"]
+    if dp is None:
+        raise ValueError(f"no sync DP run in {out / 'results.jsonl'} yet")
+    lines = [
+        f"Sync DP, tuned inner lr {dp['inner_lr']:g} (grid, seed 0: "
+        + ", ".join(f"{lr:g} → {loss:.4f}" for lr, loss in sorted(dp["grid"].items()))
+        + f"): held-out loss {dp['loss_mean']:.4f} over {dp['seeds']} seed(s), {dp['bytes_per_token']:,.0f} wire bytes per token.",
+        "",
+        "| H | codec | method | outer steps | wire bytes / token | fewer bytes than fp32 sync DP | seeds | loss | gap to sync DP (min … max) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in summary["points"]:
+        spread = f" ({100 * p['gap_min']:+.1f} … {100 * p['gap_max']:+.1f})" if p["seeds"] > 1 else ""
+        lines.append(
+            f"| {p['inner_steps']} | {p['compression']} | {method_name(p, dp['inner_lr'])} | {p['outer_steps']} "
+            f"| {p['wire_bytes_per_token']:.2f} | {p['fewer_bytes_than_syncdp']:,.0f}× | {p['seeds']} | {p['loss_mean']:.4f} "
+            f"| **{100 * p['gap_mean']:+.1f}%**{spread} |"
+        )
+    if summary["checks"]:
+        lines += ["", "One island (the broken-method checks): held-out loss after the same inner steps", "",
+                  "| run | loss |", "|---|---|"]
+        for r in summary["checks"]:
+            name = "plain AdamW" if r["method"] == "syncdp" else f"H {r['inner_steps']} {r['compression']}, " + method_name(
+                dict(r, schedule=r["schedule"]), r["inner_lr"])
+            lines.append(f"| {name} | {r['final_loss']:.4f} |")
+    table = "\n".join(lines) + "\n"
+    (out / "study.md").write_text(table)
+    _plot(summary, out / "study.png")
+    return table
+
+
+def _plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7.5, 4.5))
+    by_outer: dict[str, list[dict]] = {}
+    for p in summary["points"]:
+        by_outer.setdefault(method_name(p, summary["syncdp"]["inner_lr"]), []).append(p)
+    for name, points in sorted(by_outer.items()):
+        points.sort(key=lambda p: p["wire_bytes_per_token"])
+        x = [p["wire_bytes_per_token"] for p in points]
+        axes.plot(x, [100 * p["gap_mean"] for p in points], marker="o", label=name)
+        axes.fill_between(x, [100 * p["gap_min"] for p in points], [100 * p["gap_max"] for p in points], alpha=0.2)
+        for p in points:
+            axes.annotate(f"H{p['inner_steps']} {p['compression']}", (p["wire_bytes_per_token"], 100 * p["gap_mean"]),
+                          fontsize=7, xytext=(3, 3), textcoords="offset points")
+    axes.axhline(0, color="black", linewidth=0.8)
+    axes.set_xscale("log")
+    axes.set_xlabel("wire bytes per token, per peer (log); fp32 sync DP: "
+                    f"{summary['syncdp']['bytes_per_token']:,.0f}")
+    axes.set_ylabel("held-out loss gap to tuned sync DP (%)")
+    axes.set_title(f"DiLoCo vs sync DP at equal tokens ({PEERS} islands, {STEPS} inner steps each)")
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None, prog: str = "learning_study.py") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run", help="run the phases' runs not yet in results.jsonl, appending each")
+    run_parser.add_argument("--out", default="docs/learning", help="folder of results.jsonl (default docs/learning)")
+    run_parser.add_argument("--phase", nargs="+", choices=PHASES, default=list(PHASES), help="phases, in order (default: all)")
+    run_parser.add_argument("--jobs", type=int, default=2, help="runs at once, one process and one thread each (default 2)")
+    report_parser = commands.add_parser("report", help="write study.md and study.png from results.jsonl")
+    report_parser.add_argument("--out", default="docs/learning", help="folder of results.jsonl (default docs/learning)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    try:
+        if args.command == "run":
+            if args.jobs < 1:
+                parser.error(f"--jobs must be >= 1, got {args.jobs}")
+            run_study(out, args.phase, args.jobs)
+        else:
+            print(report(out), end="")
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+

@@ -1,0 +1,162 @@
+"""The learning study (experiments/learning.py): the shared lr schedule, its two methods' arithmetic, the byte
+accounting, the phases' plan, resuming, the report, bad input."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from experiments.learning import STEPS, Run, load, lr_factor, main, plan, report, run_study, summarize, train
+from p2p_diloco.core.compression import make_codec
+
+
+def tiny(method: str, **kwargs) -> Run:
+    return Run(method, kwargs.pop("inner_lr", 2e-3), steps=kwargs.pop("steps", 6), peers=kwargs.pop("peers", 1),
+               batch_size=2, eval_batches=1, **kwargs)
+
+
+def test_lr_schedule_warms_up_linearly_then_decays_by_cosine_to_its_floor():
+    assert lr_factor(0, 1000, warmup=10) == pytest.approx(0.1)
+    assert lr_factor(9, 1000, warmup=10) == pytest.approx(1.0)  # the peak at the warm-up's last step
+    assert lr_factor(10, 1000, warmup=10) == pytest.approx(1.0)
+    assert lr_factor(505, 1000, warmup=10) == pytest.approx(0.1 + 0.9 * 0.5, abs=1e-3)  # half way: the mean
+    assert lr_factor(1000, 1000, warmup=10, final=0.1) == pytest.approx(0.1)
+    factors = [lr_factor(s, 1000, warmup=10) for s in range(10, 1000)]
+    assert all(a >= b for a, b in zip(factors, factors[1:]))
+
+
+def test_one_island_with_a_plain_outer_step_is_sync_dp_of_one():
+    # outer lr 1 without momentum and no codec sets the global params to the island's after every round: the same
+    # AdamW on the same batches with the same schedule as sync DP over one shard (the broken-method check)
+    dp = train(tiny("syncdp"))
+    diloco = train(tiny("diloco", inner_steps=3))
+    assert diloco["final_loss"] == pytest.approx(dp["final_loss"], abs=1e-4)
+    assert diloco["outer_steps"] == 2 and dp["tokens"] == diloco["tokens"] == 6 * 2 * 128
+    assert dp["final_loss"] < dp["curve"][0][1]  # it learned
+
+
+def test_momentum_and_the_codec_change_the_result():
+    plain = train(tiny("diloco", inner_steps=2, peers=2))
+    nesterov = train(tiny("diloco", inner_steps=2, peers=2, outer_lr=0.7, outer_momentum=0.9))
+    int4 = train(tiny("diloco", inner_steps=2, peers=2, compression="int4"))
+    assert len({plain["final_loss"], nesterov["final_loss"], int4["final_loss"]}) == 3
+
+
+def test_wire_bytes_per_token_and_the_ratio_to_fp32_sync_dp():
+    params, seq_len = 1000, 128
+    dp = Run("syncdp", 1e-3, peers=4, batch_size=2)
+    assert dp.wire_bytes_per_token(params, seq_len) == pytest.approx(2 * 3 / 4 * params * 4 / (2 * 128))
+    int8 = Run("diloco", 1e-3, inner_steps=120, compression="int8", peers=4, batch_size=2)
+    per_value = make_codec("int8").bytes_per_value()
+    assert int8.wire_bytes_per_token(params, seq_len) == pytest.approx(2 * 3 / 4 * params * per_value / (120 * 2 * 128))
+    assert int8.fewer_bytes_than_syncdp == pytest.approx(dp.wire_bytes_per_token(params, seq_len)
+                                                          / int8.wire_bytes_per_token(params, seq_len))
+    assert int8.fewer_bytes_than_syncdp > 400 and Run("diloco", 1e-3, inner_steps=160, compression="int4").fewer_bytes_than_syncdp > 1000
+
+
+def test_every_h_of_the_study_divides_its_budget_and_bad_runs_are_refused():
+    for h, codec in ((10, "int8"), (40, "int8"), (120, "int8"), (160, "int4")):
+        assert STEPS // h >= 30 and Run("diloco", 1e-3, inner_steps=h, compression=codec).key
+    with pytest.raises(ValueError, match="does not divide"):
+        Run("diloco", 1e-3, inner_steps=7, steps=100)
+    with pytest.raises(ValueError, match="method"):
+        Run("adam", 1e-3)
+
+
+def _result(method, lr, loss, seed=0, h=1, codec="none", outer=(1.0, 0.0), **fields):
+    run = Run(method, lr, seed=seed, inner_steps=h, compression=codec, outer_lr=outer[0], outer_momentum=outer[1], **fields)
+    return dict(asdict(run), key=run.key, final_loss=loss, seconds=1.0, outer_steps=STEPS // h if method == "diloco" else 0,
+                wire_bytes_per_token=run.wire_bytes_per_token(842_496, 128), fewer_bytes_than_syncdp=run.fewer_bytes_than_syncdp)
+
+
+def test_the_plan_builds_on_the_best_sync_dp_lr_and_the_best_outer_settings():
+    assert plan("outer-grid", []) == []  # nothing to build on before sync DP is tuned
+    results = [_result("syncdp", 1e-3, 2.10), _result("syncdp", 2e-3, 2.00), _result("syncdp", 4e-3, 2.05)]
+    grid = plan("outer-grid", results)
+    assert grid and {r.inner_lr for r in grid} == {2e-3} and all(r.method == "diloco" for r in grid)
+    results += [_result("diloco", 2e-3, 2.3, h=10, codec="int8", outer=(0.7, 0.9)),
+                _result("diloco", 2e-3, 2.1, h=10, codec="int8", outer=(1.0, 0.0))]
+    assert plan("inner-lr", results) == []  # H = 10 is no target point (39x): no seeds either
+    assert {(r.method, r.seed) for r in plan("seeds", results)} == {("syncdp", 1), ("syncdp", 2)}
+    results += [_result("diloco", 2e-3, 2.2, h=120, codec="int8", outer=(0.35, 0.9)),
+                _result("diloco", 2e-3, 2.3, h=120, codec="int8", outer=(0.7, 0.9))]
+    h120 = [r for r in plan("seeds", results) if r.method == "diloco"]
+    assert {(r.seed, r.inner_steps, r.outer_lr, r.outer_momentum) for r in h120} == {(1, 120, 0.35, 0.9), (2, 120, 0.35, 0.9)}
+    assert {(r.inner_lr, r.inner_steps, r.outer_lr) for r in plan("inner-lr", results)} == {(1e-3, 120, 0.35), (4e-3, 120, 0.35)}
+    assert {(r.schedule, r.inner_steps, r.outer_lr) for r in plan("schedule", results)} == {("grow", 10, 1.0), ("grow", 120, 0.35)}
+    checks = plan("checks", results)
+    assert {r.peers for r in checks} == {1} and {(r.method, r.outer_lr) for r in checks} == {("syncdp", 1.0), ("diloco", 0.35), ("diloco", 1.0)}
+    with pytest.raises(ValueError, match="unknown phase"):
+        plan("everything", results)
+
+
+def test_a_growing_schedule_has_as_many_rounds_and_spends_them_early():
+    fixed, grow = Run("diloco", 1e-3, inner_steps=160), Run("diloco", 1e-3, inner_steps=160, schedule="grow")
+    assert fixed.round_ends() == list(range(160, STEPS + 1, 160))
+    ends = grow.round_ends()
+    lengths = [b - a for a, b in zip([0, *ends], ends)]
+    assert len(ends) == len(fixed.round_ends()) and ends[-1] == STEPS and all(n > 0 for n in lengths)
+    assert 75 <= lengths[0] <= 90 and 230 <= lengths[-1] <= 240 and lengths == sorted(lengths)
+    assert "grow" in grow.key and "grow" not in fixed.key
+    # and it trains: a tiny growing run ends at its budget
+    assert train(tiny("diloco", inner_steps=2, steps=8, schedule="grow"))["tokens"] == 8 * 2 * 128
+
+
+def test_the_gap_is_taken_seed_by_seed_and_the_report_is_written(tmp_path):
+    results = [_result("syncdp", 2e-3, 2.0), _result("syncdp", 2e-3, 2.2, seed=1), _result("syncdp", 1e-3, 2.5),
+               _result("diloco", 2e-3, 2.02, h=120, codec="int8"), _result("diloco", 2e-3, 2.2, seed=1, h=120, codec="int8")]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    summary = summarize(load(tmp_path))
+    assert summary["syncdp"]["inner_lr"] == 2e-3 and summary["syncdp"]["seeds"] == 2
+    [point] = summary["points"]
+    assert point["seeds"] == 2 and point["gap_mean"] == pytest.approx((0.01 + 0.0) / 2)
+    assert point["gap_max"] == pytest.approx(0.01) and point["gap_min"] == pytest.approx(0.0, abs=1e-12)
+    table = report(tmp_path)
+    assert "| 120 | int8 | plain averaging (lr 1, momentum 0) | 40 |" in table and "**+0.5%**" in table
+    assert (tmp_path / "study.md").read_text() == table and (tmp_path / "study.png").stat().st_size > 1000
+
+
+def test_a_run_already_in_the_results_is_not_run_again(tmp_path, monkeypatch):
+    done = [_result("syncdp", lr, 2.0 + lr) for lr in (1e-3, 2e-3)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in done))
+    ran = []
+
+    def fake_train(run):
+        ran.append(run.key)
+        return _result(run.method, run.inner_lr, 2.5)
+
+    monkeypatch.setattr("experiments.learning.train", fake_train)
+    monkeypatch.setattr("experiments.learning.ProcessPoolExecutor", _InlinePool)
+    run_study(tmp_path, ["tune-syncdp"], jobs=1)
+    assert ran == ["syncdp lr=0.004 seed=0"] and len(load(tmp_path)) == 3
+
+
+class _InlinePool:
+    """A stand-in for ProcessPoolExecutor that runs each job at once, in this process (no subprocesses here)."""
+
+    def __init__(self, max_workers):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["report", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("learning_study.py: error: no sync DP run") and err.count("\n") == 1
+    (tmp_path / "results.jsonl").write_text("{not json\n")
+    assert main(["report", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
