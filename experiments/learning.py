@@ -33,7 +33,7 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,10 +54,12 @@ FINAL_LR_FRACTION = 0.1  # the cosine decay ends at this fraction of the peak lr
 FINAL_EVAL_BATCHES = 16  # batches of 16 held-out sequences for the final loss (262,144 tokens)
 CURVE_POINTS = 24  # evaluations on the way (at the outer step nearest to each 1/24 of the run)
 
-SYNC_DP_LRS = (1e-3, 2e-3, 4e-3)  # inner (AdamW) peak lr grid, shared: DiLoCo uses sync DP's best
+SYNC_DP_LRS = (1e-3, 2e-3, 4e-3, 8e-3)  # inner (AdamW) peak lr grid, shared: DiLoCo uses sync DP's best
 DILOCO_POINTS = ((10, "int8"), (40, "int8"), (120, "int8"), (160, "int4"))  # (H, codec): 39x, 158x, 473x, 1138x
 OUTER_GRID = ((1.0, 0.0), (0.7, 0.9), (0.35, 0.9), (0.8, 0.6))  # (outer lr, Nesterov momentum)
 SEEDS = (0, 1, 2)
+INNER_LR_FACTORS = (0.5, 2.0)  # DiLoCo's inner lr tried at these multiples of sync DP's, at every H
+INNER_LR_LIMIT = 8.0  # the grid grows past its edge (halving or doubling) while the best is there, up to this factor
 SCHEDULES = ("fixed", "grow")
 
 
@@ -250,6 +252,11 @@ def _best(results: list[dict], **match) -> dict | None:
     return min(runs, key=lambda r: r["final_loss"]) if runs else None
 
 
+def _same_outer(run: dict, other: dict) -> bool:
+    """Same H, codec and outer optimizer."""
+    return all(run[k] == other[k] for k in ("inner_steps", "compression", "outer_lr", "outer_momentum"))
+
+
 def _like(best: dict, **changes) -> Run:
     """``best``'s DiLoCo run with ``changes``."""
     fields = dict(inner_steps=best["inner_steps"], compression=best["compression"], outer_lr=best["outer_lr"],
@@ -270,33 +277,79 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
     if phase == "outer-grid":
         return [Run("diloco", lr, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m)
                 for h, c in DILOCO_POINTS for o, m in OUTER_GRID]
+    grid = [b for h, c in DILOCO_POINTS if (b := _best(results, method="diloco", inner_steps=h, compression=c,
+                                                        inner_lr=lr, schedule="fixed"))]
+    if phase == "inner-lr":  # DiLoCo's own inner lr (its islands step on PEERS x smaller batches than sync DP)
+        runs = []
+        for b in grid:
+            runs += [_like(b, inner_lr=lr * f) for f in INNER_LR_FACTORS]
+            tried = sorted(r["inner_lr"] for r in results if _standard(r) and r["seed"] == 0 and r["method"] == "diloco"
+                           and r["schedule"] == "fixed" and _same_outer(r, b))
+            best = _best(results, method="diloco", schedule="fixed", inner_steps=b["inner_steps"],
+                         compression=b["compression"], outer_lr=b["outer_lr"], outer_momentum=b["outer_momentum"])
+            if len(tried) < 1 + len(INNER_LR_FACTORS):
+                continue  # the edge is known once the first grid is done
+            if best["inner_lr"] == tried[0] and best["inner_lr"] / 2 >= lr / INNER_LR_LIMIT:
+                runs.append(_like(b, inner_lr=best["inner_lr"] / 2))  # the best is at the low edge: look below
+            if best["inner_lr"] == tried[-1] and best["inner_lr"] * 2 <= lr * INNER_LR_LIMIT:
+                runs.append(_like(b, inner_lr=best["inner_lr"] * 2))
+        return list(dict.fromkeys(runs))
+    # the best of every inner lr tried, per point
     bests = [b for h, c in DILOCO_POINTS if (b := _best(results, method="diloco", inner_steps=h, compression=c,
-                                                         inner_lr=lr, schedule="fixed"))]
+                                                         schedule="fixed"))]
     targets = [b for b in bests if b["fewer_bytes_than_syncdp"] >= 400]  # the points of the issue's targets
     if phase == "seeds":
         return [Run("syncdp", lr, seed=s) for s in SEEDS[1:]] + [_like(b, seed=s) for b in targets for s in SEEDS[1:]]
-    if phase == "inner-lr":  # DiLoCo's own inner lr, at the points of the targets (>= 400x and >= 1,000x)
-        return [_like(b, inner_lr=lr * f) for b in targets for f in (0.5, 2.0)]
     if phase == "schedule":
         return [_like(b, schedule="grow") for b in bests]
     # checks: one island, tuned outer optimizer (the >= 400x point's), against plain AdamW on the same batches
     if not targets:
         return []
     one = dict(peers=1, steps=STEPS)
-    return [Run("syncdp", lr, **one), _like(targets[0], **one), _like(targets[0], outer_lr=1.0, outer_momentum=0.0, **one)]
+    return [Run("syncdp", targets[0]["inner_lr"], **one), _like(targets[0], **one),
+            _like(targets[0], outer_lr=1.0, outer_momentum=0.0, **one)]
 
 
-PHASES = ("tune-syncdp", "outer-grid", "seeds", "schedule", "checks", "inner-lr")
+PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "seeds", "schedule", "checks")
+
+
+# what each phase builds on: its runs are planned only once these phases have none left to run
+NEEDS = {"tune-syncdp": (), "outer-grid": ("tune-syncdp",), "inner-lr": ("tune-syncdp", "outer-grid")}
+NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("seeds", "schedule", "checks")})
+
+
+def _remaining(phase: str, results: list[dict]) -> list[Run]:
+    done = {r["key"] for r in results}
+    return [run for run in plan(phase, results) if run.key not in done]
+
+
+def next_runs(phases: list[str], results: list[dict], running: set[str]) -> list[Run]:
+    """The runs that may start now, in phase order: those of every asked phase whose prerequisites are complete,
+    not done and not running. Phases that build on the same finished phases run side by side."""
+    runs = []
+    for phase in phases:
+        if all(not _remaining(need, results) for need in NEEDS[phase]):
+            runs += [run for run in _remaining(phase, results) if run.key not in running and run not in runs]
+    return runs
 
 
 def run_study(out: Path, phases: list[str], jobs: int) -> None:
+    """Run the phases' runs not yet in results.jsonl, ``jobs`` at once, each appended as soon as it ends; after each
+    one the plan is made again from the results, so that a phase starts as soon as what it builds on is done."""
     out.mkdir(parents=True, exist_ok=True)
-    for phase in phases:
-        done = {r["key"] for r in load(out)}
-        todo = [run for run in plan(phase, load(out)) if run.key not in done]
-        print(f"{phase}: {len(todo)} runs to do", flush=True)
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            for future in as_completed([pool.submit(train, run) for run in todo]):  # each saved as soon as it ends
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        in_flight: dict = {}
+        while True:
+            for run in next_runs(phases, load(out), {r.key for r in in_flight.values()})[: jobs - len(in_flight)]:
+                print(f"  start {run.key}", flush=True)
+                in_flight[pool.submit(train, run)] = run
+            if not in_flight:
+                waiting = [p for p in phases if _remaining(p, load(out))]
+                print("study: done" if not waiting else f"study: {', '.join(waiting)} wait for phases not asked for", flush=True)
+                return
+            finished, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            for future in finished:
+                del in_flight[future]
                 result = future.result()
                 with (out / "results.jsonl").open("a") as f:
                     f.write(json.dumps(result) + "\n")

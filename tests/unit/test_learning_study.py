@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import pytest
 
-from experiments.learning import STEPS, Run, load, lr_factor, main, plan, report, run_study, summarize, train
+from experiments.learning import STEPS, Run, load, lr_factor, main, next_runs, plan, report, run_study, summarize, train
 from p2p_diloco.core.compression import make_codec
 
 
@@ -78,16 +78,34 @@ def test_the_plan_builds_on_the_best_sync_dp_lr_and_the_best_outer_settings():
     assert grid and {r.inner_lr for r in grid} == {2e-3} and all(r.method == "diloco" for r in grid)
     results += [_result("diloco", 2e-3, 2.3, h=10, codec="int8", outer=(0.7, 0.9)),
                 _result("diloco", 2e-3, 2.1, h=10, codec="int8", outer=(1.0, 0.0))]
-    assert plan("inner-lr", results) == []  # H = 10 is no target point (39x): no seeds either
-    assert {(r.method, r.seed) for r in plan("seeds", results)} == {("syncdp", 1), ("syncdp", 2)}
+    # DiLoCo's own inner lr is tried below sync DP's with each point's best outer optimizer
+    assert {(r.inner_lr, r.inner_steps, r.outer_lr) for r in plan("inner-lr", results)} == {(1e-3, 10, 1.0), (4e-3, 10, 1.0)}
+    assert {(r.method, r.seed) for r in plan("seeds", results)} == {("syncdp", 1), ("syncdp", 2)}  # no target point yet
     results += [_result("diloco", 2e-3, 2.2, h=120, codec="int8", outer=(0.35, 0.9)),
                 _result("diloco", 2e-3, 2.3, h=120, codec="int8", outer=(0.7, 0.9))]
+    assert (1e-3, 120, 0.35) in {(r.inner_lr, r.inner_steps, r.outer_lr) for r in plan("inner-lr", results)}
     h120 = [r for r in plan("seeds", results) if r.method == "diloco"]
-    assert {(r.seed, r.inner_steps, r.outer_lr, r.outer_momentum) for r in h120} == {(1, 120, 0.35, 0.9), (2, 120, 0.35, 0.9)}
-    assert {(r.inner_lr, r.inner_steps, r.outer_lr) for r in plan("inner-lr", results)} == {(1e-3, 120, 0.35), (4e-3, 120, 0.35)}
-    assert {(r.schedule, r.inner_steps, r.outer_lr) for r in plan("schedule", results)} == {("grow", 10, 1.0), ("grow", 120, 0.35)}
+    assert {(r.seed, r.inner_steps, r.inner_lr, r.outer_lr) for r in h120} == {(1, 120, 2e-3, 0.35), (2, 120, 2e-3, 0.35)}
+    # a lower inner lr that won is what the seeds, the schedule and the checks build on
+    results.append(_result("diloco", 1e-3, 2.15, h=120, codec="int8", outer=(0.35, 0.9)))
+    h120 = [r for r in plan("seeds", results) if r.method == "diloco"]
+    assert {(r.seed, r.inner_lr) for r in h120} == {(1, 1e-3), (2, 1e-3)}
+    assert {(r.schedule, r.inner_steps, r.inner_lr, r.outer_lr) for r in plan("schedule", results)} == {
+        ("grow", 10, 2e-3, 1.0), ("grow", 120, 1e-3, 0.35)}
     checks = plan("checks", results)
-    assert {r.peers for r in checks} == {1} and {(r.method, r.outer_lr) for r in checks} == {("syncdp", 1.0), ("diloco", 0.35), ("diloco", 1.0)}
+    assert {r.peers for r in checks} == {1} and {r.inner_lr for r in checks} == {1e-3}
+    # the inner lr grid grows past its edge while the best is there, and stops once it is inside
+    lrs = lambda: {r.inner_lr for r in plan("inner-lr", results) if r.inner_steps == 120}  # noqa: E731
+    assert lrs() == {1e-3, 4e-3}  # the first grid is not done yet: no edge
+    results.append(_result("diloco", 4e-3, 2.4, h=120, codec="int8", outer=(0.35, 0.9)))
+    assert lrs() == {1e-3, 4e-3, 5e-4}
+    results.append(_result("diloco", 5e-4, 2.16, h=120, codec="int8", outer=(0.35, 0.9)))
+    assert lrs() == {1e-3, 4e-3}
+    results[-1]["final_loss"] = 2.14  # 5e-4 best: 2.5e-4 is sync DP's lr / 8, the last one tried
+    assert lrs() == {1e-3, 4e-3, 2.5e-4}
+    results.append(_result("diloco", 2.5e-4, 2.13, h=120, codec="int8", outer=(0.35, 0.9)))
+    assert lrs() == {1e-3, 4e-3}
+    assert {(r.method, r.outer_lr) for r in checks} == {("syncdp", 1.0), ("diloco", 0.35), ("diloco", 1.0)}
     with pytest.raises(ValueError, match="unknown phase"):
         plan("everything", results)
 
@@ -130,7 +148,18 @@ def test_a_run_already_in_the_results_is_not_run_again(tmp_path, monkeypatch):
     monkeypatch.setattr("experiments.learning.train", fake_train)
     monkeypatch.setattr("experiments.learning.ProcessPoolExecutor", _InlinePool)
     run_study(tmp_path, ["tune-syncdp"], jobs=1)
-    assert ran == ["syncdp lr=0.004 seed=0"] and len(load(tmp_path)) == 3
+    assert ran == ["syncdp lr=0.004 seed=0", "syncdp lr=0.008 seed=0"] and len(load(tmp_path)) == 4
+
+
+def test_a_phase_waits_for_what_it_builds_on_and_siblings_run_side_by_side():
+    assert next_runs(["outer-grid"], [], set()) == []  # sync DP not tuned
+    tuned = [_result("syncdp", lr, 2.0 + lr) for lr in (1e-3, 2e-3, 4e-3)]
+    first = next_runs(["tune-syncdp", "outer-grid"], tuned, set())
+    assert [r.key for r in first] == ["syncdp lr=0.008 seed=0"]  # the grid waits for the last lr
+    assert next_runs(["tune-syncdp", "outer-grid"], tuned, {"syncdp lr=0.008 seed=0"}) == []
+    tuned.append(_result("syncdp", 8e-3, 3.0))
+    grid = next_runs(["tune-syncdp", "outer-grid", "seeds"], tuned, set())
+    assert grid and {r.method for r in grid} == {"diloco"} and {r.inner_lr for r in grid} == {1e-3}
 
 
 class _InlinePool:
