@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco.core.compression import ErrorFeedback, make_codec
+from p2p_diloco.core.compression import FEEDBACK_CODECS, ErrorFeedback, make_codec
 from p2p_diloco.core.config import COMPRESSIONS, DataConfig, InnerConfig, ModelConfig, OuterConfig
 from p2p_diloco.core.outer import OuterOptimizer
 from p2p_diloco.core.schedule import lr_factor as schedule_factor
@@ -61,6 +61,7 @@ SEEDS = (0, 1, 2)
 INNER_LR_FACTORS = (0.5, 2.0)  # DiLoCo's inner lr tried at these multiples of sync DP's, at every H
 INNER_LR_LIMIT = 8.0  # the grid grows past its edge (halving or doubling) while the best is there, up to this factor
 SCHEDULES = ("fixed", "grow")
+SPARSE_H = (10, 24)  # top-k + 2 bits (0.094 B/value): 427x and 1024x fewer bytes than fp32 sync DP
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Run:
     batch_size: int = BATCH
     eval_batches: int = FINAL_EVAL_BATCHES
     schedule: str = "fixed"  # "grow": the same number of rounds, H rising from H/2 to 3H/2 (round_ends)
+    reducer_feedback: bool = False  # the reducer's re-encode keeps its error for the next round (a stable group)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -97,6 +99,7 @@ class Run:
         if self.method == "syncdp":
             return f"syncdp lr={self.inner_lr:g} seed={self.seed}{size}"
         schedule = "" if self.schedule == "fixed" else f" {self.schedule}"
+        schedule += " reducer-feedback" if self.reducer_feedback else ""
         return (f"diloco H={self.inner_steps}{schedule} {self.compression} lr={self.inner_lr:g} "
                 f"outer={self.outer_lr:g}/{self.outer_momentum:g} seed={self.seed}{size}")
 
@@ -187,7 +190,8 @@ def train(run: Run) -> dict:
         global_params = [p.data for p in global_model.parameters()]
         outer = OuterOptimizer(global_params, OuterConfig(lr=run.outer_lr, momentum=run.outer_momentum))
         codec = make_codec(run.compression)
-        feedback = [ErrorFeedback(codec) for _ in islands] if run.compression == "int4" else None
+        feedback = [ErrorFeedback(codec) for _ in islands] if run.compression in FEEDBACK_CODECS else None
+        reducer = ErrorFeedback(codec) if run.reducer_feedback else None
 
         def round_trip(tensors):
             return [codec.decode(codec.encode(t.reshape(-1)), t.numel()).reshape(t.shape) for t in tensors]
@@ -205,7 +209,12 @@ def train(run: Run) -> dict:
                     sent.append(values)
                 else:
                     sent.append(round_trip(outer_grad))
-            average = round_trip([torch.stack(parts).mean(0) for parts in zip(*sent)])  # the reducer's re-encode
+            average = [torch.stack(parts).mean(0) for parts in zip(*sent)]
+            if reducer is not None:  # the reducer's re-encode, its error sent in the next round
+                average, residual = reducer.prepare(average)
+                reducer.commit(residual)
+            else:  # the reducer's re-encode, as a peer makes it
+                average = round_trip(average)
             flat = torch.cat([a.reshape(-1) for a in average])
             if previous is not None:  # how alike consecutive outer gradients are: momentum's gain depends on it
                 cosines.append(float(torch.nn.functional.cosine_similarity(flat, previous, dim=0)))
@@ -238,6 +247,7 @@ def load(out: Path) -> list[dict]:
     results = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     for result in results:
         result.setdefault("schedule", "fixed")  # rows written before schedules existed
+        result.setdefault("reducer_feedback", False)
     return results
 
 
@@ -260,7 +270,7 @@ def _same_outer(run: dict, other: dict) -> bool:
 def _like(best: dict, **changes) -> Run:
     """``best``'s DiLoCo run with ``changes``."""
     fields = dict(inner_steps=best["inner_steps"], compression=best["compression"], outer_lr=best["outer_lr"],
-                  outer_momentum=best["outer_momentum"], schedule=best["schedule"])
+                  outer_momentum=best["outer_momentum"], schedule=best["schedule"], reducer_feedback=best["reducer_feedback"])
     return Run("diloco", **{"inner_lr": best["inner_lr"], **fields, **changes})
 
 
@@ -278,14 +288,14 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
         return [Run("diloco", lr, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m)
                 for h, c in DILOCO_POINTS for o, m in OUTER_GRID]
     grid = [b for h, c in DILOCO_POINTS if (b := _best(results, method="diloco", inner_steps=h, compression=c,
-                                                        inner_lr=lr, schedule="fixed"))]
+                                                        inner_lr=lr, schedule="fixed", reducer_feedback=False))]
     if phase == "inner-lr":  # DiLoCo's own inner lr (its islands step on PEERS x smaller batches than sync DP)
         runs = []
         for b in grid:
             runs += [_like(b, inner_lr=lr * f) for f in INNER_LR_FACTORS]
             tried = sorted(r["inner_lr"] for r in results if _standard(r) and r["seed"] == 0 and r["method"] == "diloco"
-                           and r["schedule"] == "fixed" and _same_outer(r, b))
-            best = _best(results, method="diloco", schedule="fixed", inner_steps=b["inner_steps"],
+                           and r["schedule"] == "fixed" and not r["reducer_feedback"] and _same_outer(r, b))
+            best = _best(results, method="diloco", schedule="fixed", reducer_feedback=False, inner_steps=b["inner_steps"],
                          compression=b["compression"], outer_lr=b["outer_lr"], outer_momentum=b["outer_momentum"])
             if len(tried) < 1 + len(INNER_LR_FACTORS):
                 continue  # the edge is known once the first grid is done
@@ -296,12 +306,18 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
         return list(dict.fromkeys(runs))
     # the best of every inner lr tried, per point
     bests = [b for h, c in DILOCO_POINTS if (b := _best(results, method="diloco", inner_steps=h, compression=c,
-                                                         schedule="fixed"))]
+                                                         schedule="fixed", reducer_feedback=False))]
     targets = [b for b in bests if b["fewer_bytes_than_syncdp"] >= 400]  # the points of the issue's targets
     if phase == "seeds":
         return [Run("syncdp", lr, seed=s) for s in SEEDS[1:]] + [_like(b, seed=s) for b in targets for s in SEEDS[1:]]
     if phase == "schedule":
         return [_like(b, schedule="grow") for b in bests]
+    if phase == "codecs":  # the reducer's error feedback at the int4 point; sparse top-k on the smallest H's settings
+        runs = [_like(b, reducer_feedback=True) for b in bests if b["compression"] == "int4"]
+        if bests:
+            runs += [_like(bests[0], inner_steps=h, compression="topk", reducer_feedback=f)
+                     for h in SPARSE_H for f in (False, True)]
+        return runs
     # checks: one island, tuned outer optimizer (the >= 400x point's), against plain AdamW on the same batches
     if not targets:
         return []
@@ -310,12 +326,12 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
             _like(targets[0], outer_lr=1.0, outer_momentum=0.0, **one)]
 
 
-PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "seeds", "schedule", "checks")
+PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "codecs", "seeds", "schedule", "checks")
 
 
 # what each phase builds on: its runs are planned only once these phases have none left to run
 NEEDS = {"tune-syncdp": (), "outer-grid": ("tune-syncdp",), "inner-lr": ("tune-syncdp", "outer-grid")}
-NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("seeds", "schedule", "checks")})
+NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("seeds", "schedule", "checks", "codecs")})
 
 
 def _remaining(phase: str, results: list[dict]) -> list[Run]:
@@ -356,7 +372,7 @@ def run_study(out: Path, phases: list[str], jobs: int) -> None:
                 print(f"  {result['key']}: loss {result['final_loss']:.4f} in {result['seconds']:.0f} s", flush=True)
 
 
-_POINT = ("inner_steps", "compression", "schedule", "inner_lr", "outer_lr", "outer_momentum")
+_POINT = ("inner_steps", "compression", "schedule", "reducer_feedback", "inner_lr", "outer_lr", "outer_momentum")
 
 
 def summarize(results: list[dict]) -> dict:
@@ -397,6 +413,8 @@ def method_name(point: dict, syncdp_lr: float) -> str:
         name = f"Nesterov lr {point['outer_lr']:g}, momentum {point['outer_momentum']:g}"
     if point["schedule"] == "grow":
         name += ", H growing"
+    if point.get("reducer_feedback"):
+        name += ", reducer's error feedback"
     if point["inner_lr"] != syncdp_lr:
         name += f", inner lr {point['inner_lr']:g}"
     return name

@@ -1,5 +1,5 @@
-"""Codecs for outer gradients on the wire: fp32 (none), fp16, blockwise 8-bit and 4-bit NF4 (bitsandbytes),
-and error feedback for the lossy ones.
+"""Codecs for outer gradients on the wire: fp32 (none), fp16, blockwise 8-bit and 4-bit NF4 (bitsandbytes), sparse
+top-k with 2-bit values, and error feedback for the lossiest ones.
 
 Pure torch + bitsandbytes, no hivemind: ``averaging.py`` adapts these codecs to hivemind's
 serialization. A codec turns a flat fp32 tensor into bytes and back. Encoding runs once per part, on its
@@ -183,6 +183,59 @@ class BlockwiseNF4Codec:
         return 0.5 + 4.0 / self.block_size
 
 
+class BlockwiseTopKCodec:
+    """Sparse and 2-bit (as SparseLoCo sends): per block of ``block_size`` values, the ``keep`` values of largest
+    magnitude, each in one byte (its 6-bit index in the block, its sign, and one bit of magnitude: the block's
+    absmax or half of it), after one fp32 absmax per block. Size: (4 + keep) / block_size bytes per value, 0.094
+    by default (3.1% of the values kept): 6x less than int4. Everything else is dropped, so it is meant only with
+    ``ErrorFeedback``, which carries the dropped values into the next round until they are large enough to be
+    sent (docs/learning.md). Decoding is a scatter of exact fp32 products: the same bytes on every backend."""
+
+    name = "topk"
+
+    def __init__(self, block_size: int = 64, keep: int = 2):
+        if not 1 <= keep <= block_size <= 64:
+            raise ValueError(f"topk keeps 1..block_size values of blocks of at most 64, got {keep} of {block_size}")
+        self.block_size, self.keep = block_size, keep
+
+    def encode(self, values: torch.Tensor) -> bytes:
+        flat = values.detach().to(torch.float32).contiguous().view(-1)
+        if flat.numel() == 0:
+            return b""
+        num_blocks = -(-flat.numel() // self.block_size)
+        blocks = torch.zeros(num_blocks * self.block_size)
+        blocks[: flat.numel()] = flat
+        blocks = blocks.view(num_blocks, self.block_size)
+        top = blocks.abs().topk(self.keep, dim=1)
+        absmax = top.values[:, 0].contiguous()
+        half = top.values < 0.75 * absmax[:, None]  # nearer to absmax / 2 than to absmax
+        negative = blocks.gather(1, top.indices) < 0
+        codes = (top.indices << 2) | (negative.long() << 1) | half.long()
+        return absmax.numpy().tobytes() + codes.to(torch.uint8).numpy().tobytes()
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        num_blocks = -(-numel // self.block_size)
+        _check_length(self.name, data, (4 + self.keep) * num_blocks)
+        if numel == 0:
+            return torch.zeros(0)
+        buffer = bytearray(data)
+        absmax = torch.frombuffer(buffer, dtype=torch.float32, count=num_blocks)
+        codes = torch.frombuffer(buffer, dtype=torch.uint8, offset=4 * num_blocks, count=num_blocks * self.keep)
+        codes = codes.view(num_blocks, self.keep).long()
+        index = (codes >> 2).clamp(max=self.block_size - 1)  # a stranger's index past a smaller block: its last value
+        magnitude = torch.where(codes & 1 == 1, 0.5, 1.0) * absmax[:, None]
+        values = torch.where(codes & 2 == 2, -magnitude, magnitude)
+        blocks = torch.zeros(num_blocks, self.block_size).scatter_(1, index, values)
+        return blocks.view(-1)[:numel]
+
+    def bytes_per_value(self) -> float:
+        return (4.0 + self.keep) / self.block_size
+
+
+# codecs whose sender keeps what the codec dropped and sends it in the next round
+FEEDBACK_CODECS = ("int4", "topk")
+
+
 class ErrorFeedback:
     """Carries what a lossy codec did not send into the next round (error feedback, docs/design.md §2).
 
@@ -202,6 +255,48 @@ class ErrorFeedback:
 
     def commit(self, residual: list[torch.Tensor]) -> None:
         self.residual = residual
+
+
+class ReducerFeedback:
+    """The reducer's error feedback (docs/design.md §2): what its re-encode of a part's average dropped, added to that
+    part's average the next time it reduces it, in the next round of the same fragment.
+
+    A residual is kept per part (its index among all the parts of one averaging) with the outer step it was made
+    at, and used only at outer step + ``stride`` (the fragments: the next round of the same tensors); a peer that
+    did not reduce that part then, or a round that failed in between, leaves it unused (the plain re-encode: never
+    worse than no feedback). ``begin`` starts a round, ``encode`` replaces the codec's encode for each part,
+    ``commit`` keeps the round's residuals once its all-reduce succeeded and ``abandon`` drops them.
+    """
+
+    def __init__(self, codec: Codec, stride: int = 1):
+        self.codec, self.stride = codec, stride
+        self._kept: dict[int, tuple[int, torch.Tensor]] = {}
+        self._pending: dict[int, torch.Tensor] = {}
+        self._outer_step: int | None = None
+
+    def begin(self, outer_step: int) -> None:
+        self._outer_step, self._pending = outer_step, {}
+
+    def encode(self, part: int, averaged: torch.Tensor) -> bytes:
+        flat = averaged.detach().to(torch.float32).reshape(-1)
+        kept = self._kept.get(part)
+        if kept is not None and self._outer_step is not None and kept[0] == self._outer_step - self.stride \
+                and kept[1].numel() == flat.numel():
+            flat = flat + kept[1]
+        data = self.codec.encode(flat)
+        self._pending[part] = flat - self.codec.decode(data, flat.numel())
+        return data
+
+    def commit(self) -> None:
+        if self._outer_step is None:
+            return
+        fragment = self._outer_step % self.stride
+        self._kept = {part: kept for part, kept in self._kept.items() if kept[0] % self.stride != fragment}
+        self._kept.update({part: (self._outer_step, residual) for part, residual in self._pending.items()})
+        self._pending = {}
+
+    def abandon(self) -> None:
+        self._pending = {}
 
 
 @functools.cache
@@ -261,7 +356,8 @@ def decode_received(codec: Codec, data: bytes, numel: int) -> torch.Tensor:
 
 
 def make_codec(name: str) -> Codec:
-    codecs = {"none": NoneCodec, "fp16": Float16Codec, "int8": BlockwiseInt8Codec, "int4": BlockwiseNF4Codec}
+    codecs = {"none": NoneCodec, "fp16": Float16Codec, "int8": BlockwiseInt8Codec, "int4": BlockwiseNF4Codec,
+              "topk": BlockwiseTopKCodec}
     if name not in codecs:
         raise ValueError(f"unknown compression {name!r}; choose one of {', '.join(codecs)}")
     if name in ("int8", "int4"):

@@ -19,6 +19,8 @@ This module does not decide *when* to average or what to do with the result: tha
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import random
 import signal
@@ -39,6 +41,7 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from p2p_diloco.core.compression import ReducerFeedback
 from p2p_diloco.core.link import AveragingOutcome
 from p2p_diloco.swarm.wire import MeteredStub, TrafficCounters, WireCodec, install_wire_codecs, metered
 
@@ -51,10 +54,14 @@ class ExactAllReduceRunner(AllReduceRunner):
     ``lost_values`` > 0 after the run means some reducer's part never arrived: the round is partial.
     """
 
-    def __init__(self, *, wire_codec: WireCodec, traffic: TrafficCounters, **kwargs: Any):
+    def __init__(self, *, wire_codec: WireCodec, traffic: TrafficCounters, feedback: ReducerFeedback | None = None,
+                 **kwargs: Any):
         super().__init__(**kwargs)
-        self._wire_codec, self._traffic = wire_codec, traffic
+        self._wire_codec, self._traffic, self._feedback = wire_codec, traffic, feedback
         self._encoded_results: dict[int, asyncio.Future] = {}
+        # our parts' place among all the parts of the averaging: what a reducer's residual is kept under
+        own = self.ordered_peer_ids.index(self.peer_id) if self.peer_id in self.ordered_peer_ids else 0
+        self._first_part = sum(self.tensor_part_container.num_parts_by_peer[:own])
 
     @property
     def lost_values(self) -> int:
@@ -66,10 +73,12 @@ class ExactAllReduceRunner(AllReduceRunner):
     def _encode_result(self, part_index: int, averaged_part: torch.Tensor) -> asyncio.Future:
         """Encode each averaged part once; every sender, this peer included, receives these bytes."""
         if part_index not in self._encoded_results:
-            info = CompressionInfo.from_tensor(averaged_part)
-            self._encoded_results[part_index] = asyncio.get_event_loop().run_in_executor(
-                None, self._wire_codec.compress, averaged_part, info
-            )
+            if self._feedback is None:
+                work = functools.partial(self._wire_codec.compress, averaged_part, CompressionInfo.from_tensor(averaged_part))
+            else:  # with what our last encode of this part dropped (docs/design.md §2)
+                part, feedback = self._first_part + part_index, self._feedback
+                work = functools.partial(self._wire_codec.wrap, averaged_part, lambda: feedback.encode(part, averaged_part))
+            self._encoded_results[part_index] = asyncio.get_event_loop().run_in_executor(None, work)
         return self._encoded_results[part_index]
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
@@ -143,10 +152,13 @@ class DilocoAverager(DecentralizedAverager):
         wire_codec: WireCodec,
         state_provider: Callable[[], tuple[dict, Sequence[torch.Tensor]]],
         runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner,
+        reducer_feedback: ReducerFeedback | None = None,
         **kwargs: Any,
     ):
         install_wire_codecs()
         self.wire_codec, self.traffic, self._state_provider = wire_codec, TrafficCounters(), state_provider
+        self.reducer_feedback = reducer_feedback  # lives in the averager's process, where the parts are encoded
+        self._round_step: int | None = None  # the outer step of the round being matched (set_round)
         self.runner_class = runner_class  # tests inject faults with a subclass (RPC names follow our class name)
         super().__init__(averaged_tensors, dht, compression=wire_codec, **kwargs)
 
@@ -158,9 +170,21 @@ class DilocoAverager(DecentralizedAverager):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         super().run()
 
+    async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
+        # the group's order decides which peer reduces which part; hivemind's leader shuffles it. Every member puts
+        # it in one canonical order (by peer id) instead, so that a group that stays the same gives each part to the
+        # same reducer round after round: the reducer's error feedback needs it (docs/design.md §2)
+        order = sorted(range(len(group_info.peer_ids)), key=lambda i: group_info.peer_ids[i].to_bytes())
+        group_info = dataclasses.replace(group_info, peer_ids=tuple(group_info.peer_ids[i] for i in order),
+                                         gathered=tuple(group_info.gathered[i] for i in order))
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, group_id=None, **kwargs):
         # hivemind adds deltas as they arrive; we collect exact averages and write them only if none is missing
         group_id = group_info.group_id if group_id is None else group_id
+        feedback = self.reducer_feedback
+        if feedback is not None:
+            feedback.begin(self._round_step)
         runner = self.runner_class(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -170,12 +194,20 @@ class DilocoAverager(DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids,
             wire_codec=self.wire_codec,
             traffic=self.traffic,
+            feedback=feedback,
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
-        results = [result async for result in runner]
-        if runner.lost_values:
-            raise PartialRoundError(f"partial all-reduce: {runner.lost_values} of {runner.tensor_part_container.total_size} values lost")
+        try:
+            results = [result async for result in runner]
+            if runner.lost_values:
+                raise PartialRoundError(f"partial all-reduce: {runner.lost_values} of {runner.tensor_part_container.total_size} values lost")
+        except BaseException:
+            if feedback is not None:
+                feedback.abandon()  # nobody applies this round's averages: what our encodes dropped is not owed
+            raise
+        if feedback is not None:
+            feedback.commit()
         for tensor, result in zip(tensors, results, strict=True):
             tensor.copy_(result)
 
@@ -190,6 +222,7 @@ class DilocoAverager(DecentralizedAverager):
 
     async def _set_round(self, group_bits: str, target: int | None, future: MPFuture) -> None:
         try:
+            self._round_step = int(group_bits, 2)  # the outer step (outer_step_key)
             matchmaking = self._matchmaking
             # hivemind re-shuffles the group key after every assembled group (for gossip averaging); our key is
             # the outer step and must stay fixed while a round is retried, so the re-shuffle is switched off

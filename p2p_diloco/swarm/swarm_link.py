@@ -21,7 +21,7 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.core import history
-from p2p_diloco.core.compression import ErrorFeedback, make_codec
+from p2p_diloco.core.compression import FEEDBACK_CODECS, ErrorFeedback, ReducerFeedback, make_codec
 from p2p_diloco.core.config import SwarmConfig
 from p2p_diloco.core.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
 from p2p_diloco.core.swarm_view import ProgressPace, SwarmView
@@ -63,7 +63,7 @@ class SwarmLink:
         logger.info(membership.describe())
         self.codec = make_codec(config.compression)
         # one residual per streaming fragment: outer step r carries fragment r % fragments
-        self._error_feedback = [ErrorFeedback(self.codec) for _ in range(fragments)] if config.compression == "int4" else None
+        self._error_feedback = [ErrorFeedback(self.codec) for _ in range(fragments)] if config.compression in FEEDBACK_CODECS else None
         self._averager: GuardedAverager | None = None
         # what we know of the others and decide from their records (pure: core/swarm_view.py); a fresh peer breaks
         # a tie by the word of the peers it was told to join through
@@ -84,6 +84,8 @@ class SwarmLink:
                 state_provider=state_provider,
                 runner_class=self.runner_class,
                 cross_check=config.cross_check,
+                reducer_feedback=ReducerFeedback(self.codec, fragments) if config.compression in FEEDBACK_CODECS
+                and config.reducer_feedback and not config.cross_check else None,
                 membership=membership.check(self.dht, self._progress_key),
                 prefix=f"{config.run_id}_averaging",
                 start=True,

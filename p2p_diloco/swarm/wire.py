@@ -24,6 +24,7 @@ WIRE_TYPES = {
     # hivemind's wire enum has no 4-bit type: NF4 parts travel under UNIFORM_8BIT's id, which p2p-diloco
     # never uses otherwise; every peer decodes it with our codec (install_wire_codecs)
     "int4": runtime_pb2.CompressionType.UNIFORM_8BIT,
+    "topk": runtime_pb2.CompressionType.QUANTILE_8BIT,  # likewise: sparse 2-bit parts, under an id never used otherwise
 }
 _QUANTIZATION_BLOCK = 256  # every part holds whole quantization blocks (64 for int4, 256 for int8)
 _PARTS_PER_AVERAGING = 32  # enough parts that every peer of a group reduces about its share
@@ -65,13 +66,12 @@ class WireCodec(CompressionBase):
         codec.decode(codec.encode(torch.zeros(8)), 8)
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        return runtime_pb2.Tensor(
-            compression=self.compression_type,
-            buffer=self.codec.encode(tensor.detach().reshape(-1)),
-            size=tensor.shape,
-            dtype="float32",
-            requires_grad=False,
-        )
+        return self.wrap(tensor, lambda: self.codec.encode(tensor.detach().reshape(-1)))
+
+    def wrap(self, tensor: torch.Tensor, encode: Callable[[], bytes]) -> runtime_pb2.Tensor:
+        """The message for ``tensor`` with the bytes ``encode()`` gives (the codec's, or the reducer's error feedback's)."""
+        return runtime_pb2.Tensor(compression=self.compression_type, buffer=encode(), size=tensor.shape, dtype="float32",
+                                  requires_grad=False)
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         """Decode a part; the bytes may come from a stranger, so a malformed one raises MalformedPayloadError
@@ -94,7 +94,7 @@ def install_wire_codecs() -> None:
     Receivers decode through hivemind's global registry, keyed by the wire type in each message, so this
     must run in every peer process before its averager starts (the averager is a forked child).
     """
-    for name in ("fp16", "int8", "int4"):
+    for name in ("fp16", "int8", "int4", "topk"):
         wire_type = runtime_pb2.CompressionType.Name(WIRE_TYPES[name])
         hivemind_serialization._BASE_COMPRESSION_TYPES[wire_type] = WireCodec(make_codec(name))
     install_checked_decoders(hivemind_serialization._BASE_COMPRESSION_TYPES)  # and hivemind's other types

@@ -8,7 +8,7 @@ numpy or torch. Here:
 
 - ``NONE`` (raw bytes; our fp32 parts and the state download) is checked first (a known dtype, a sane
   shape, exactly numel x itemsize bytes), then decoded by hivemind as before;
-- the types p2p-diloco never sends (``MEANSTD_16BIT``, ``QUANTILE_8BIT``) are refused outright.
+- the type p2p-diloco never sends (``MEANSTD_16BIT``) is refused outright.
 
 Both raise ``MalformedPayloadError``. Our own codecs (fp16, int8, int4) check themselves (``WireCodec``).
 This module does not check values (finite, plausible): that is the reducer's job (robust.py).
@@ -30,7 +30,7 @@ _RAW_ITEMSIZE = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
-_UNUSED_WIRE_TYPES = ("MEANSTD_16BIT", "QUANTILE_8BIT")
+_UNUSED_WIRE_TYPES = ("MEANSTD_16BIT",)
 
 
 class CheckedNoCompression(NoCompression):

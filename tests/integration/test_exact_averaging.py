@@ -8,7 +8,7 @@ import pytest
 import torch
 from hivemind import DHT
 
-from p2p_diloco.core.compression import make_codec
+from p2p_diloco.core.compression import ReducerFeedback, make_codec
 from p2p_diloco.core.link import codec_round_trip
 from p2p_diloco.swarm.averaging import DilocoAverager, ExactAllReduceRunner, run_averaging
 from p2p_diloco.swarm.wire import WireCodec
@@ -31,7 +31,7 @@ class CrashingReducerRunner(ExactAllReduceRunner):
         yield  # unreachable: makes this an async generator like the method it overrides
 
 
-def _swarm(count: int, compression: str, runners: list[type] | None = None):
+def _swarm(count: int, compression: str, runners: list[type] | None = None, reducer_feedback: bool = False):
     dhts = [DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
     address = [str(a) for a in dhts[0].get_visible_maddrs()]
     dhts += [DHT(start=True, initial_peers=address, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(count - 1)]
@@ -51,17 +51,18 @@ def _swarm(count: int, compression: str, runners: list[type] | None = None):
             target_group_size=count,
             min_group_size=count,  # all of them or nobody: the faulty peer cannot be left out by timing
             runner_class=runner,
+            reducer_feedback=ReducerFeedback(make_codec(compression)) if reducer_feedback else None,
         )
         for runner, dht in zip(runners, dhts)
     ]
     return dhts, averagers
 
 
-def _average_concurrently(averagers, inputs, weights, timeout_s):
+def _average_concurrently(averagers, inputs, weights, timeout_s, outer_step=5):
     outcomes = [None] * len(averagers)
 
     def work(index):
-        outcomes[index] = run_averaging(averagers[index], inputs[index], weights[index], outer_step=5, timeout_s=timeout_s)
+        outcomes[index] = run_averaging(averagers[index], inputs[index], weights[index], outer_step=outer_step, timeout_s=timeout_s)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(averagers))]
     for thread in threads:
@@ -78,7 +79,7 @@ def _shutdown(dhts, averagers):
         dht.shutdown()
 
 
-@pytest.mark.parametrize("compression", ["int8", "none"])
+@pytest.mark.parametrize("compression", ["int8", "none", "topk"])
 def test_every_peer_gets_the_same_bytes_and_the_weighted_average(compression):
     torch.manual_seed(0)
     inputs = [[torch.randn(shape) * (i + 1) for shape in SHAPES] for i in range(3)]
@@ -98,10 +99,64 @@ def test_every_peer_gets_the_same_bytes_and_the_weighted_average(compression):
     if compression == "none":
         for got, want in zip(reference, expected):
             torch.testing.assert_close(got, want)
+    elif compression == "topk":  # two sparse hops: the reducer keeps the top 2 of 64 of the mean of what it received
+        # (a peer's own share of the part it reduces never crosses the wire, so the first hop is not the same for
+        # all three: what is checked is the sparsity, and that the values kept are large ones of the right sign)
+        for got, want in zip(reference, expected):
+            kept = got != 0
+            assert 0 < int(kept.sum()) <= 2 * -(-got.numel() // 64)
+            assert float((torch.sign(got[kept]) == torch.sign(want[kept])).float().mean()) > 0.99
+            assert float(got[kept].abs().mean()) > 2 * float(want.abs().mean())
     else:  # two int8 hops (sender part, then the reducer's result): within ~3% relative L2
         for got, want in zip(reference, expected):
             assert (got - want).norm() / want.norm() < 0.03
         assert codec_round_trip(make_codec("int8"), [expected[0]])[0].shape == expected[0].shape
+
+
+def _sparse_input(seed: int) -> list[torch.Tensor]:
+    """Values topk sends exactly (per block of 64: its absmax and half of it, at random places), so that only the
+    reducer's re-encode of the mean (up to 6 values per block from 3 senders) drops anything."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = []
+    for shape in SHAPES:
+        blocks = -(-torch.Size(shape).numel() // 64)
+        values = torch.zeros(blocks, 64)
+        places = torch.rand(blocks, 64, generator=generator).argsort(dim=1)[:, :2]
+        absmax = torch.rand(blocks, generator=generator) + 0.5
+        signs = torch.randint(0, 2, (blocks, 2), generator=generator) * 2 - 1
+        values.scatter_(1, places, torch.stack([absmax, absmax / 2], dim=1) * signs)
+        tensors.append(values.view(-1)[: torch.Size(shape).numel()].reshape(shape))
+    return tensors
+
+
+def test_the_reducers_error_feedback_sends_what_the_last_re_encode_dropped():
+    """Two rounds of the same three sparse inputs with topk: the first gives the re-encoded mean; in the second,
+    each reducer adds what its first encode dropped (so every part kept its reducer: the canonical group order),
+    and all peers still get the same bytes."""
+    inputs = [_sparse_input(seed) for seed in range(3)]
+    weights = [1000.0, 2000.0, 3000.0]
+    codec = make_codec("topk")
+    mean = [sum(w * x[k] for w, x in zip(weights, inputs)) / sum(weights) for k in range(len(SHAPES))]
+    first = codec_round_trip(codec, mean)
+    second = codec_round_trip(codec, [2 * m - f for m, f in zip(mean, first)])  # mean + (mean - first)
+    dhts, averagers = _swarm(3, "topk", reducer_feedback=True)
+    try:
+        rounds = [_average_concurrently(averagers, [[t.clone() for t in x] for x in inputs], weights, timeout_s=40,
+                                        outer_step=step) for step in (5, 6)]
+    finally:
+        _shutdown(dhts, averagers)
+    for outcomes, want in zip(rounds, (first, second)):
+        assert all(o is not None and o.status == "ok" for o in outcomes), outcomes
+        for outcome in outcomes:
+            for got, expected, reference in zip(outcome.averaged, want, outcomes[0].averaged):
+                assert torch.equal(got, reference)
+                # the reducer sums in its own order: a near-tie in a block may keep the other value, rarely
+                differs = ((got - expected).abs() > 1e-5 * expected.abs() + 1e-6).float().mean()
+                assert float(differs) < 1e-3, float(differs)
+    # what the two rounds sent, together, is nearer to twice the mean than two plain re-encodes would be
+    plain = sum(float((2 * m - 2 * f).norm()) for m, f in zip(mean, first))
+    both = sum(float((2 * m - a - b).norm()) for m, a, b in zip(mean, rounds[0][0].averaged, rounds[1][0].averaged))
+    assert both < 0.9 * plain, (both, plain)  # 0.85 here: top-k drops most of a mean, feedback sends it over rounds
 
 
 def test_a_reducer_that_breaks_off_makes_the_round_fail_not_half_averaged():

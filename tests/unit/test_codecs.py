@@ -120,3 +120,88 @@ def test_int8_zeros_decode_to_zeros():
 def test_unknown_codec_name_raises():
     with pytest.raises(ValueError, match="unknown compression 'zstd'"):
         make_codec("zstd")
+
+
+def test_topk_keeps_the_largest_values_of_each_block_at_two_bits():
+    codec = make_codec("topk")
+    values = _gaussian(3 * 64 + 10, seed=3)
+    payload = codec.encode(values)
+    blocks = 4
+    assert len(payload) == (4 + codec.keep) * blocks and codec.bytes_per_value() == pytest.approx(6 / 64)
+    decoded = codec.decode(payload, values.numel())
+    assert decoded.shape == values.shape and decoded.dtype == torch.float32
+    padded = torch.zeros(blocks * 64)
+    padded[: values.numel()] = values
+    for block, (original, sent) in enumerate(zip(padded.view(blocks, 64), torch.nn.functional.pad(decoded, (0, 54)).view(blocks, 64))):
+        kept = sent.nonzero().view(-1)
+        assert set(kept.tolist()) == set(original.abs().topk(2).indices.tolist()), block
+        absmax = original.abs().max()
+        assert torch.equal(torch.sign(sent[kept]), torch.sign(original[kept]))
+        assert set(sent[kept].abs().tolist()) <= {absmax.item(), absmax.item() / 2}
+        assert sent.abs().max() == absmax  # the largest value is sent exactly
+    assert codec.encode(values) == payload and codec.decode(payload, values.numel()).equal(decoded)  # deterministic
+    for bad in (payload[:-1], payload + b"\0"):
+        with pytest.raises(ValueError, match="topk"):
+            codec.decode(bad, values.numel())
+    assert codec.encode(torch.zeros(0)) == b"" and codec.decode(b"", 0).numel() == 0
+    assert codec.decode(codec.encode(torch.zeros(100)), 100).equal(torch.zeros(100))
+
+
+@pytest.mark.parametrize("name", ["int4", "topk"])
+def test_error_feedback_loses_nothing_over_rounds(name: str):
+    """What a lossy codec drops is sent in later rounds: the sum of what was sent plus the residual equals the sum
+    of the outer gradients, and the residual stays bounded, so the sum sent converges on the true sum. Without
+    feedback the codec's loss adds up round after round."""
+    from p2p_diloco.core.compression import ErrorFeedback
+
+    codec = make_codec(name)
+    feedback, rounds = ErrorFeedback(codec), 120
+    true_sum, sent_sum, plain_sum = torch.zeros(4096), torch.zeros(4096), torch.zeros(4096)
+    drift = _gaussian(4096, seed=1, scale=0.05)  # a consistent direction, as consecutive outer gradients share
+    for r in range(rounds):
+        grad = drift + _gaussian(4096, seed=100 + r, scale=0.1)
+        sent, residual = feedback.prepare([grad])
+        feedback.commit(residual)
+        true_sum += grad
+        sent_sum += sent[0]
+        plain_sum += codec.decode(codec.encode(grad), grad.numel())
+    torch.testing.assert_close(sent_sum + feedback.residual[0], true_sum, rtol=0, atol=1e-4)
+    with_feedback, without = _relative_l2(sent_sum, true_sum), _relative_l2(plain_sum, true_sum)
+    assert with_feedback < 0.5 * without, (with_feedback, without)
+    assert with_feedback < (0.01 if name == "int4" else 0.2), with_feedback
+
+
+def test_a_failed_round_keeps_the_previous_residual():
+    from p2p_diloco.core.compression import ErrorFeedback
+
+    feedback = ErrorFeedback(make_codec("topk"))
+    sent, residual = feedback.prepare([_gaussian(640, seed=7)])
+    feedback.commit(residual)
+    kept = feedback.residual[0].clone()
+    feedback.prepare([_gaussian(640, seed=8)])  # a round that failed commits nothing
+    assert torch.equal(feedback.residual[0], kept)
+
+
+def test_the_reducers_feedback_is_used_only_in_the_next_round_of_the_same_fragment():
+    from p2p_diloco.core.compression import ReducerFeedback
+
+    codec = make_codec("topk")
+    mean = _gaussian(640, seed=9)
+    plain = codec.encode(mean)
+    feedback = ReducerFeedback(codec, stride=2)  # two fragments: outer step s carries fragment s % 2
+    feedback.begin(4)
+    assert feedback.encode(0, mean) == plain  # nothing kept yet: the plain encode
+    feedback.commit()
+    feedback.begin(5)  # the other fragment: part 0 there is other values
+    assert feedback.encode(0, mean) == plain
+    feedback.abandon()  # that round failed
+    feedback.begin(6)  # fragment 0 again, the round after step 4: what step 4 dropped is added
+    residual = mean - codec.decode(plain, 640)
+    assert feedback.encode(0, mean) == codec.encode(mean + residual) != plain
+    assert feedback.encode(1, mean) == plain  # a part we did not reduce at step 4
+    feedback.abandon()
+    feedback.begin(8)  # step 6 failed: step 4's residual is two rounds old and not used
+    assert feedback.encode(0, mean) == plain
+    feedback.commit()
+    feedback.begin(10)
+    assert feedback.encode(0, mean) == codec.encode(mean + residual)  # step 8's

@@ -8,7 +8,20 @@ from dataclasses import asdict
 
 import pytest
 
-from experiments.learning import STEPS, Run, load, lr_factor, main, next_runs, plan, report, run_study, summarize, train
+from experiments.learning import (
+    SPARSE_H,
+    STEPS,
+    Run,
+    load,
+    lr_factor,
+    main,
+    next_runs,
+    plan,
+    report,
+    run_study,
+    summarize,
+    train,
+)
 from p2p_diloco.core.compression import make_codec
 
 
@@ -106,6 +119,15 @@ def test_the_plan_builds_on_the_best_sync_dp_lr_and_the_best_outer_settings():
     results.append(_result("diloco", 2.5e-4, 2.13, h=120, codec="int8", outer=(0.35, 0.9)))
     assert lrs() == {1e-3, 4e-3}
     assert {(r.method, r.outer_lr) for r in checks} == {("syncdp", 1.0), ("diloco", 0.35), ("diloco", 1.0)}
+    # the codecs: sparse top-k at SPARSE_H on the smallest H's best settings, with and without the reducer's feedback;
+    # the reducer's feedback at the int4 point
+    codecs = plan("codecs", results)
+    assert {(r.inner_steps, r.compression, r.reducer_feedback, r.inner_lr, r.outer_lr) for r in codecs} == {
+        (h, "topk", f, 2e-3, 1.0) for h in SPARSE_H for f in (False, True)}
+    results.append(_result("diloco", 2e-3, 2.3, h=160, codec="int4", outer=(0.8, 0.6)))
+    assert (160, "int4", True, 0.8) in {(r.inner_steps, r.compression, r.reducer_feedback, r.outer_lr) for r in plan("codecs", results)}
+    results.append(_result("diloco", 2e-3, 1.0, h=160, codec="int4", outer=(0.8, 0.6), reducer_feedback=True))
+    assert all(not r.reducer_feedback for r in plan("seeds", results))  # a reducer-feedback run is never a point's best
     with pytest.raises(ValueError, match="unknown phase"):
         plan("everything", results)
 
