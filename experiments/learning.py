@@ -81,8 +81,11 @@ class Run:
     eval_batches: int = FINAL_EVAL_BATCHES
     schedule: str = "fixed"  # "grow": the same number of rounds, H rising from H/2 to 3H/2 (round_ends)
     reducer_feedback: bool = False  # the reducer's re-encode keeps its error for the next round (a stable group)
+    data: str = "shards"  # "shards": each island a contiguous quarter of the corpus (as peers); "iid": all of it
 
     def __post_init__(self) -> None:
+        if self.data not in ("shards", "iid"):
+            raise ValueError(f"data must be shards or iid, got {self.data!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.method not in ("syncdp", "diloco"):
@@ -96,6 +99,7 @@ class Run:
     def key(self) -> str:
         size = "" if (self.peers, self.batch_size, self.steps) == (PEERS, BATCH, STEPS) else (
             f" peers={self.peers} batch={self.batch_size} steps={self.steps}")
+        size += " data=iid" if self.data == "iid" else ""
         if self.method == "syncdp":
             return f"syncdp lr={self.inner_lr:g} seed={self.seed}{size}"
         schedule = "" if self.schedule == "fixed" else f" {self.schedule}"
@@ -135,8 +139,12 @@ def lr_factor(step: int, steps: int, warmup: int = WARMUP, final: float = FINAL_
 def _shards(run: Run) -> tuple[ModelConfig, list[Dataset], list]:
     torch.set_num_threads(1)
     config = ModelConfig()
-    shards = [Dataset(DataConfig(num_shards=run.peers, shard_index=i), config.seq_len, run.batch_size, run.seed)
-              for i in range(run.peers)]
+    if run.data == "iid":  # every island samples windows of the whole training set, each in its own order
+        shards = [Dataset(DataConfig(num_shards=1), config.seq_len, run.batch_size, run.seed + 104_729 * i)
+                  for i in range(run.peers)]
+    else:
+        shards = [Dataset(DataConfig(num_shards=run.peers, shard_index=i), config.seq_len, run.batch_size, run.seed)
+                  for i in range(run.peers)]
     held_out = Dataset(DataConfig(num_shards=run.peers, shard_index=0), config.seq_len, 16, 0).eval_batches(run.eval_batches)
     return config, shards, held_out
 
@@ -248,12 +256,13 @@ def load(out: Path) -> list[dict]:
     for result in results:
         result.setdefault("schedule", "fixed")  # rows written before schedules existed
         result.setdefault("reducer_feedback", False)
+        result.setdefault("data", "shards")
     return results
 
 
 def _standard(result: dict) -> bool:
-    """A run of the study's own size (the one-island checks are not)."""
-    return (result["peers"], result["batch_size"], result["steps"]) == (PEERS, BATCH, STEPS)
+    """A run of the study's own size on the peers' shards (the one-island checks and the iid runs are not)."""
+    return (result["peers"], result["batch_size"], result["steps"], result["data"]) == (PEERS, BATCH, STEPS, "shards")
 
 
 def _best(results: list[dict], **match) -> dict | None:
@@ -312,6 +321,8 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
         return [Run("syncdp", lr, seed=s) for s in SEEDS[1:]] + [_like(b, seed=s) for b in targets for s in SEEDS[1:]]
     if phase == "schedule":
         return [_like(b, schedule="grow") for b in bests]
+    if phase == "iid":  # how much of the gap is the shards' difference: the same runs, every island on all the data
+        return [Run("syncdp", lr, data="iid")] + [_like(b, data="iid") for b in targets]
     if phase == "codecs":  # the reducer's error feedback at the int4 point; sparse top-k on the smallest H's settings
         runs = [_like(b, reducer_feedback=True) for b in bests if b["compression"] == "int4"]
         if bests:
@@ -326,12 +337,12 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
             _like(targets[0], outer_lr=1.0, outer_momentum=0.0, **one)]
 
 
-PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "codecs", "seeds", "schedule", "checks")
+PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "codecs", "iid", "seeds", "schedule", "checks")
 
 
 # what each phase builds on: its runs are planned only once these phases have none left to run
 NEEDS = {"tune-syncdp": (), "outer-grid": ("tune-syncdp",), "inner-lr": ("tune-syncdp", "outer-grid")}
-NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("seeds", "schedule", "checks", "codecs")})
+NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in PHASES[3:]})
 
 
 def _remaining(phase: str, results: list[dict]) -> list[Run]:
@@ -380,7 +391,7 @@ def summarize(results: list[dict]) -> dict:
     the one-island checks beside."""
     best_dp = _best(results, method="syncdp")
     if best_dp is None:
-        return dict(syncdp=None, points=[], checks=[])
+        return dict(syncdp=None, points=[], checks=[], iid=[])
     standard = [r for r in results if _standard(r)]
     dp = {r["seed"]: r["final_loss"] for r in standard if r["method"] == "syncdp" and r["inner_lr"] == best_dp["inner_lr"]}
     groups: dict[tuple, list[dict]] = {}
@@ -399,10 +410,13 @@ def summarize(results: list[dict]) -> dict:
             wire_bytes_per_token=runs[0]["wire_bytes_per_token"], fewer_bytes_than_syncdp=runs[0]["fewer_bytes_than_syncdp"],
         ))
     checks = [r for r in results if r["peers"] == 1]
+    iid_dp = {r["seed"]: r for r in results if r["data"] == "iid" and r["method"] == "syncdp"}
+    iid = [dict(r, gap=r["final_loss"] / iid_dp[r["seed"]]["final_loss"] - 1, syncdp_loss=iid_dp[r["seed"]]["final_loss"])
+           for r in results if r["data"] == "iid" and r["method"] == "diloco" and r["seed"] in iid_dp]
     return dict(syncdp=dict(inner_lr=best_dp["inner_lr"], seeds=len(dp), loss_mean=sum(dp.values()) / len(dp),
                             bytes_per_token=best_dp["wire_bytes_per_token"],
                             grid={r["inner_lr"]: r["final_loss"] for r in standard if r["method"] == "syncdp" and r["seed"] == 0}),
-                points=points, checks=checks)
+                points=points, checks=checks, iid=iid)
 
 
 def method_name(point: dict, syncdp_lr: float) -> str:
@@ -447,10 +461,49 @@ def report(out: Path) -> str:
             name = "plain AdamW" if r["method"] == "syncdp" else f"H {r['inner_steps']} {r['compression']}, " + method_name(
                 dict(r, schedule=r["schedule"]), r["inner_lr"])
             lines.append(f"| {name} | {r['final_loss']:.4f} |")
+    if summary["iid"]:
+        lines += ["", "Every island on the whole corpus (iid) instead of its own quarter: gap to sync DP on the same data", "",
+                  "| run | sync DP loss (iid) | loss | gap |", "|---|---|---|---|"]
+        for r in summary["iid"]:
+            name = f"H {r['inner_steps']} {r['compression']}, " + method_name(r, r["inner_lr"]) + f", inner lr {r['inner_lr']:g}"
+            lines.append(f"| {name} | {r['syncdp_loss']:.4f} | {r['final_loss']:.4f} | **{100 * r['gap']:+.1f}%** |")
     table = "\n".join(lines) + "\n"
     (out / "study.md").write_text(table)
     _plot(summary, out / "study.png")
     return table
+
+
+def curves(summary: dict) -> dict[str, list[dict]]:
+    """The picture's curves, each a list of points (one per H and codec) sorted by bytes per token:
+
+    - *tuned*: at each H and codec, the setting with the lowest mean gap (outer optimizer and inner lr tuned);
+    - the outer optimizers of the grid at sync DP's inner lr (the default 0.7/0.9 among them);
+    - *H growing*, *reducer's error feedback*: the tuned settings with that one change;
+    - *topk*: sparse 2-bit outer gradients, with and without the reducer's error feedback.
+    """
+    dp_lr = summary["syncdp"]["inner_lr"]
+    fixed = [p for p in summary["points"] if p["schedule"] == "fixed"]
+    found: dict[str, list[dict]] = {}
+    by_point: dict[tuple, list[dict]] = {}
+    for p in fixed:
+        if not p["reducer_feedback"] and p["compression"] != "topk":
+            by_point.setdefault((p["inner_steps"], p["compression"]), []).append(p)
+    found["tuned (outer optimizer and inner lr per H)"] = [min(ps, key=lambda p: p["gap_mean"]) for ps in by_point.values()]
+    for ps in by_point.values():
+        for p in ps:
+            if p["inner_lr"] == dp_lr:
+                found.setdefault(method_name(p, dp_lr) + ", sync DP's inner lr", []).append(p)
+    for p in summary["points"]:
+        if p["schedule"] == "grow":
+            found.setdefault("tuned, H growing", []).append(p)
+        elif p["compression"] == "topk":
+            name = "topk" + (" + reducer's error feedback" if p["reducer_feedback"] else "")
+            found.setdefault(name, []).append(p)
+        elif p["reducer_feedback"]:
+            found.setdefault("tuned + reducer's error feedback", []).append(p)
+    for points in found.values():
+        points.sort(key=lambda p: p["wire_bytes_per_token"])
+    return found
 
 
 def _plot(summary: dict, path: Path) -> None:
@@ -459,25 +512,26 @@ def _plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7.5, 4.5))
-    by_outer: dict[str, list[dict]] = {}
-    for p in summary["points"]:
-        by_outer.setdefault(method_name(p, summary["syncdp"]["inner_lr"]), []).append(p)
-    for name, points in sorted(by_outer.items()):
-        points.sort(key=lambda p: p["wire_bytes_per_token"])
+    figure, axes = plt.subplots(figsize=(8.5, 5))
+    for name, points in curves(summary).items():
         x = [p["wire_bytes_per_token"] for p in points]
-        axes.plot(x, [100 * p["gap_mean"] for p in points], marker="o", label=name)
-        axes.fill_between(x, [100 * p["gap_min"] for p in points], [100 * p["gap_max"] for p in points], alpha=0.2)
-        for p in points:
-            axes.annotate(f"H{p['inner_steps']} {p['compression']}", (p["wire_bytes_per_token"], 100 * p["gap_mean"]),
-                          fontsize=7, xytext=(3, 3), textcoords="offset points")
+        tuned = name.startswith("tuned (")
+        style = dict(marker="o", linewidth=2.2 if tuned else 1.2, linestyle="-" if tuned or "topk" in name else ":")
+        axes.plot(x, [100 * p["gap_mean"] for p in points], label=name, **style)
+        if any(p["seeds"] > 1 for p in points):
+            axes.fill_between(x, [100 * p["gap_min"] for p in points], [100 * p["gap_max"] for p in points], alpha=0.2)
+        if tuned:
+            for p in points:
+                axes.annotate(f"H{p['inner_steps']} {p['compression']}, {p['fewer_bytes_than_syncdp']:,.0f}×",
+                              (p["wire_bytes_per_token"], 100 * p["gap_mean"]), fontsize=7, xytext=(3, 4),
+                              textcoords="offset points")
     axes.axhline(0, color="black", linewidth=0.8)
     axes.set_xscale("log")
     axes.set_xlabel("wire bytes per token, per peer (log); fp32 sync DP: "
                     f"{summary['syncdp']['bytes_per_token']:,.0f}")
     axes.set_ylabel("held-out loss gap to tuned sync DP (%)")
-    axes.set_title(f"DiLoCo vs sync DP at equal tokens ({PEERS} islands, {STEPS} inner steps each)")
-    axes.legend(fontsize=8)
+    axes.set_title(f"DiLoCo vs sync DP at equal tokens ({PEERS} islands, {STEPS} inner steps each); band: seeds")
+    axes.legend(fontsize=7)
     axes.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

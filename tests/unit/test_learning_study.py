@@ -54,7 +54,12 @@ def test_momentum_and_the_codec_change_the_result():
     plain = train(tiny("diloco", inner_steps=2, peers=2))
     nesterov = train(tiny("diloco", inner_steps=2, peers=2, outer_lr=0.7, outer_momentum=0.9))
     int4 = train(tiny("diloco", inner_steps=2, peers=2, compression="int4"))
-    assert len({plain["final_loss"], nesterov["final_loss"], int4["final_loss"]}) == 3
+    topk = train(tiny("diloco", inner_steps=2, peers=2, compression="topk"))
+    fed_back = train(tiny("diloco", inner_steps=2, peers=2, compression="topk", reducer_feedback=True))
+    iid = train(tiny("diloco", inner_steps=2, peers=2, data="iid"))
+    losses = [r["final_loss"] for r in (plain, nesterov, int4, topk, fed_back, iid)]
+    assert len(set(losses)) == len(losses), losses
+    assert fed_back["key"].startswith("diloco H=2 reducer-feedback topk") and iid["key"].endswith("data=iid")
 
 
 def test_wire_bytes_per_token_and_the_ratio_to_fp32_sync_dp():
@@ -128,6 +133,14 @@ def test_the_plan_builds_on_the_best_sync_dp_lr_and_the_best_outer_settings():
     assert (160, "int4", True, 0.8) in {(r.inner_steps, r.compression, r.reducer_feedback, r.outer_lr) for r in plan("codecs", results)}
     results.append(_result("diloco", 2e-3, 1.0, h=160, codec="int4", outer=(0.8, 0.6), reducer_feedback=True))
     assert all(not r.reducer_feedback for r in plan("seeds", results))  # a reducer-feedback run is never a point's best
+    # the iid runs: sync DP and the >= 400x points with every island on the whole corpus, kept out of the main table
+    iid = plan("iid", results)
+    assert {(r.method, r.data) for r in iid} == {("syncdp", "iid"), ("diloco", "iid")} and all(r.key.endswith("data=iid") for r in iid)
+    results += [_result("syncdp", 2e-3, 1.9, data="iid"), _result("diloco", 1e-3, 1.995, h=120, codec="int8", outer=(0.35, 0.9), data="iid")]
+    summary = summarize(results)
+    assert summary["iid"][0]["gap"] == pytest.approx(0.05) and summary["syncdp"]["loss_mean"] == 2.0
+    with pytest.raises(ValueError, match="data"):
+        Run("syncdp", 1e-3, data="mixed")
     with pytest.raises(ValueError, match="unknown phase"):
         plan("everything", results)
 
