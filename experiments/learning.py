@@ -323,12 +323,15 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
         return [_like(b, schedule="grow") for b in bests]
     if phase == "iid":  # how much of the gap is the shards' difference: the same runs, every island on all the data
         return [Run("syncdp", lr, data="iid")] + [_like(b, data="iid") for b in targets]
-    if phase == "codecs":  # the reducer's error feedback at the int4 point; sparse top-k on the smallest H's settings
+    if phase == "codecs":  # the reducer's error feedback at the int4 point; sparse top-k on the smallest H's settings,
+        # and with plain averaging as SparseLoCo steps (its error feedback standing in for the outer momentum)
         runs = [_like(b, reducer_feedback=True) for b in bests if b["compression"] == "int4"]
         if bests:
             runs += [_like(bests[0], inner_steps=h, compression="topk", reducer_feedback=f)
                      for h in SPARSE_H for f in (False, True)]
-        return runs
+            runs += [_like(bests[0], inner_steps=h, compression="topk", reducer_feedback=True, outer_lr=1.0, outer_momentum=0.0)
+                     for h in SPARSE_H]
+        return list(dict.fromkeys(runs))
     # checks: one island, tuned outer optimizer (the >= 400x point's), against plain AdamW on the same batches
     if not targets:
         return []
