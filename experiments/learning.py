@@ -317,6 +317,17 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
     bests = [b for h, c in DILOCO_POINTS if (b := _best(results, method="diloco", inner_steps=h, compression=c,
                                                          schedule="fixed", reducer_feedback=False))]
     targets = [b for b in bests if b["fewer_bytes_than_syncdp"] >= 400]  # the points of the targets
+    if phase == "outer-retune":  # the grid's runner-up outer optimizer at each target point, at its best inner lr
+        runs = []
+        for b in targets:
+            at_dp = sorted((r for r in results if _standard(r) and r["seed"] == 0 and r["method"] == "diloco"
+                            and r["schedule"] == "fixed" and not r["reducer_feedback"] and r["inner_lr"] == lr
+                            and (r["inner_steps"], r["compression"]) == (b["inner_steps"], b["compression"])),
+                           key=lambda r: r["final_loss"])
+            runner_up = next((r for r in at_dp if not _same_outer(r, b)), None)
+            if runner_up is not None and b["inner_lr"] != lr:
+                runs.append(_like(b, outer_lr=runner_up["outer_lr"], outer_momentum=runner_up["outer_momentum"]))
+        return runs
     if phase == "seeds":
         return [Run("syncdp", lr, seed=s) for s in SEEDS[1:]] + [_like(b, seed=s) for b in targets for s in SEEDS[1:]]
     if phase == "schedule":
@@ -340,12 +351,13 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
             _like(targets[0], outer_lr=1.0, outer_momentum=0.0, **one)]
 
 
-PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "codecs", "iid", "seeds", "schedule", "checks")
+PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune", "codecs", "seeds", "iid", "checks", "schedule")
 
 
 # what each phase builds on: its runs are planned only once these phases have none left to run
 NEEDS = {"tune-syncdp": (), "outer-grid": ("tune-syncdp",), "inner-lr": ("tune-syncdp", "outer-grid")}
-NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in PHASES[3:]})
+NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("codecs", "outer-retune")})
+NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune") for phase in PHASES[5:]})  # seeds and after
 
 
 def _remaining(phase: str, results: list[dict]) -> list[Run]:

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from
 
 from p2p_diloco.cli.peer_processes import run_to_end  # noqa: E402
 
-CODECS = ("none", "fp16", "int8", "int4")
+CODECS = ("none", "fp16", "int8", "int4", "topk")
 
 
 def run_codec(out_dir: Path, codec: str, peers: int, outer_steps: int, flags: list[str]) -> dict:

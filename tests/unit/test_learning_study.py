@@ -112,6 +112,8 @@ def test_the_plan_builds_on_the_best_sync_dp_lr_and_the_best_outer_settings():
         ("grow", 10, 2e-3, 1.0), ("grow", 120, 1e-3, 0.35)}
     checks = plan("checks", results)
     assert {r.peers for r in checks} == {1} and {r.inner_lr for r in checks} == {1e-3}
+    # the runner-up outer optimizer at sync DP's lr is tried again at the target point's own best inner lr
+    assert [(r.inner_steps, r.inner_lr, r.outer_lr) for r in plan("outer-retune", results)] == [(120, 1e-3, 0.7)]
     # the inner lr grid grows past its edge while the best is there, and stops once it is inside
     lrs = lambda: {r.inner_lr for r in plan("inner-lr", results) if r.inner_steps == 120}  # noqa: E731
     assert lrs() == {1e-3, 4e-3}  # the first grid is not done yet: no edge
