@@ -183,6 +183,10 @@ def _run_peer(config: PeerConfig, prog: str, link_class: type | None = None) -> 
     from p2p_diloco.train.model import count_parameters
 
     log = logging.getLogger("p2p_diloco.peer")
+    if config.swarm.compression == "topk" and config.outer.momentum > 0:
+        log.warning("--compression topk with outer momentum %g: measured far worse than with plain averaging "
+                    "(--outer-lr 1 --outer-momentum 0), whose error feedback stands in for the momentum (docs/learning.md)",
+                    config.outer.momentum)
     try:
         island = _start_island(config)
     except ValueError as e:  # --island-sharding fsdp without torchrun, say
