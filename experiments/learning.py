@@ -476,7 +476,7 @@ def report(out: Path) -> str:
         for r in summary["checks"]:
             name = "plain AdamW" if r["method"] == "syncdp" else f"H {r['inner_steps']} {r['compression']}, " + method_name(
                 dict(r, schedule=r["schedule"]), r["inner_lr"])
-            lines.append(f"| {name} | {r['final_loss']:.4f} |")
+            lines.append(f"| {name}, inner lr {r['inner_lr']:g} | {r['final_loss']:.4f} |")
     if summary["iid"]:
         lines += ["", "Every island on the whole corpus (iid) instead of its own quarter: gap to sync DP on the same data", "",
                   "| run | sync DP loss (iid) | loss | gap |", "|---|---|---|---|"]
@@ -530,6 +530,7 @@ def _plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(8.5, 5))
+    colors = iter(plt.get_cmap("tab20").colors)
     for name, points in curves(summary).items():
         points = [p for p in points if p["gap_mean"] <= PLOT_GAP_LIMIT]
         if not points:
@@ -537,9 +538,11 @@ def _plot(summary: dict, path: Path) -> None:
         x = [p["wire_bytes_per_token"] for p in points]
         tuned = name.startswith("tuned (")
         style = dict(marker="o", linewidth=2.2 if tuned else 1.2, linestyle="-" if tuned or "topk" in name else ":")
-        axes.plot(x, [100 * p["gap_mean"] for p in points], label=name, **style)
+        color = next(colors)
+        axes.plot(x, [100 * p["gap_mean"] for p in points], label=name, color=color, **style)
         if any(p["seeds"] > 1 for p in points):
-            axes.fill_between(x, [100 * p["gap_min"] for p in points], [100 * p["gap_max"] for p in points], alpha=0.2)
+            axes.fill_between(x, [100 * p["gap_min"] for p in points], [100 * p["gap_max"] for p in points], alpha=0.2,
+                              color=color)
         if tuned:
             for p in points:
                 axes.annotate(f"H{p['inner_steps']} {p['compression']}, {p['fewer_bytes_than_syncdp']:,.0f}×",
