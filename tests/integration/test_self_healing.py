@@ -96,8 +96,14 @@ def test_killed_during_averaging_resumes_from_its_checkpoint_and_contributes(tmp
     assert init["status"] == "init" and init["reason"].startswith("resumed from"), init
     assert init["outer_step"] == saved["outer_step"] >= before[-1]["outer_step"]  # same outer step or newer
     assert init["tokens"] == saved["tokens_total"] > 0  # its work so far came back with it
-    # loss continues from where it was, not from scratch
-    assert init["eval_loss"] < records["peer0"][0]["eval_loss"] - 1.0
+    # loss continues from where it was, not from scratch: the held-out loss of the swarm's state at that outer step
+    # (the same bytes on every peer), below the init's. Not "1.0 below the init": a first round that met when one
+    # peer had trained only a few steps moves the params little, and that is still where it was
+    at_step = [r["eval_loss"] for recs in (records["peer0"], records["peer1"], before) for r in recs
+               if r["outer_step"] == init["outer_step"] and r["status"] == "ok" and r.get("eval_loss") is not None]
+    assert at_step, "no peer recorded a held-out loss at the resumed outer step"
+    assert init["eval_loss"] == pytest.approx(at_step[0], abs=1e-4)
+    assert init["eval_loss"] < records["peer0"][0]["eval_loss"]
     # survivors were never blocked for more than one averaging timeout (30 s) plus margin
     for name in survivors_at:
         assert max(r.get("longest_block_s", 0) for r in records[name]) < 30 + 10
