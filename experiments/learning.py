@@ -41,6 +41,7 @@ import torch
 
 from p2p_diloco.core.compression import FEEDBACK_CODECS, ErrorFeedback, make_codec
 from p2p_diloco.core.config import COMPRESSIONS, DataConfig, InnerConfig, ModelConfig, OuterConfig
+from p2p_diloco.core.link import codec_round_trip
 from p2p_diloco.core.outer import OuterOptimizer
 from p2p_diloco.core.schedule import lr_factor as schedule_factor
 from p2p_diloco.train.data import Dataset
@@ -202,9 +203,6 @@ def train(run: Run) -> dict:
         feedback = [ErrorFeedback(codec) for _ in islands] if run.compression in FEEDBACK_CODECS else None
         reducer = ErrorFeedback(codec) if run.reducer_feedback else None
 
-        def round_trip(tensors):
-            return [codec.decode(codec.encode(t.reshape(-1)), t.numel()).reshape(t.shape) for t in tensors]
-
         ends, previous = run.round_ends(), None
         for round_index, (begin, end) in enumerate(zip([0, *ends], ends)):
             sent = []
@@ -217,13 +215,13 @@ def train(run: Run) -> dict:
                     feedback[i].commit(residual)
                     sent.append(values)
                 else:
-                    sent.append(round_trip(outer_grad))
+                    sent.append(codec_round_trip(codec, outer_grad))
             average = [torch.stack(parts).mean(0) for parts in zip(*sent)]
             if reducer is not None:  # the reducer's re-encode, its error sent in the next round
                 average, residual = reducer.prepare(average)
                 reducer.commit(residual)
             else:  # the reducer's re-encode, as a peer makes it
-                average = round_trip(average)
+                average = codec_round_trip(codec, average)
             flat = torch.cat([a.reshape(-1) for a in average])
             if previous is not None:  # how alike consecutive outer gradients are: momentum's gain depends on it
                 cosines.append(float(torch.nn.functional.cosine_similarity(flat, previous, dim=0)))
