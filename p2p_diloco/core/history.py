@@ -24,6 +24,10 @@ for a majority. The rules, in order (``Target.how``):
 - ``fork``: the same step as ours on other bytes, vouched for by as many peers as ours or more: the better-vouched
   bytes, a tie going to the smallest sha256, so both sides of a fork pick the same.
 
+A read of the records may miss some (a joiner's first pushes, a DHT answer from part of the swarm): live peers
+seen a moment ago that a read lacks count as peers at our head that vouch for nothing past it (``unseen``), so that
+a read showing only a liar, or two colluders, is not taken for the whole swarm.
+
 A peer whose head no majority vouches for and that lies three or more steps past the highest node a majority
 vouches for makes an *unbacked claim* (``unbacked_claims``): it moves nobody, is said once, and a peer that keeps
 making them is banned (swarm/swarm_link.py). Nor
@@ -110,29 +114,33 @@ def _before(own: Sequence[Node], chains: Iterable[Sequence[Node]]) -> set[Node]:
 
 
 def choose_target(
-    records: Mapping[str, Mapping], own: Sequence[Node], fresh: bool, own_id: str = "", anchors: Iterable[str] = ()
+    records: Mapping[str, Mapping], own: Sequence[Node], fresh: bool, own_id: str = "", anchors: Iterable[str] = (),
+    unseen: int = 0,
 ) -> Target | None:
     """The state this peer should take, or None to keep its own. ``records``: the live, unbanned peers' progress
     records by peer id; ``own``: this peer's chain, head last; ``fresh``: whether its history is its own word only;
-    ``anchors``: the peers it was told to join through (``--initial-peers``). See the module docstring."""
+    ``anchors``: the peers it was told to join through (``--initial-peers``); ``unseen``: live peers this peer saw
+    a moment ago whose records this read lacks (a partial read). They count as peers at our head, vouching for
+    nothing past it: a read that shows only a liar is no swarm of one. See the module docstring."""
     others = _others(records, own_id)
     if not own or not others:
         return None
-    head, count = own[-1], len(others)
+    unseen = max(0, unseen)
+    head, count = own[-1], len(others) + unseen
     support = _support(others)  # vouchers among the others
     after = _after(head, others.values())
-    holders = sum(head in chain for chain in others.values())  # the others on our history
+    holders = unseen + sum(head in chain for chain in others.values())  # the others on our history
     # this peer votes too, for nothing past its head: two colluders beside two honest peers are no majority
     ahead = [node for node in after if 2 * support[node] > holders + 1 and support[node] >= 2]
     if ahead:
         return Target(*max(ahead), "majority")
     heads = {chain[-1] for chain in others.values()}
     behind = set(own) | _before(own, others.values())  # our history, up to our head
-    ours = 1 + support.get(head, 0)  # peers whose chains hold our head, this one included
+    ours = 1 + unseen + support.get(head, 0)  # peers whose chains hold our head, this one included
     if fresh:  # only a head more vouched for than ours, or as much and further: never back along our own history.
         # Ours counts the peers *at* our head: one that passed through it has moved on (a fresh peer in a swarm of
         # two whose first round failed on its side only, or a joiner whose partner's chain still holds the start)
-        at_ours = 1 + sum(chain[-1] == head for chain in others.values())
+        at_ours = 1 + unseen + sum(chain[-1] == head for chain in others.values())
         # a tie goes to the further head only between lone words (a second peer joining a swarm of one): beside
         # another peer at our start, two colluders' claim is a tie, and we wait for the swarm's first rounds
         better = {node for node in heads - behind
@@ -148,7 +156,8 @@ def choose_target(
         return Target(*max(following, key=lambda node: (support[node], _smaller(node[1]))), "next")
     rivals = [node for node in heads if node[0] == head[0] and node[1] != head[1] and support[node] >= ours]
     if rivals:
-        best = max([*rivals, head], key=lambda node: (support.get(node, 0) + (node == head), _smaller(node[1])))
+        best = max([*rivals, head], key=lambda node: (support.get(node, 0) + (node == head) * (1 + unseen),
+                                                      _smaller(node[1])))
         if best != head:
             return Target(*best, "fork")
     return None

@@ -24,6 +24,7 @@ from p2p_diloco.core.robust import TokenLedger, banned_by_majority
 logger = logging.getLogger(__name__)
 NEAR_PERIODS = 3  # within this many idle periods of a round's end (or of a change), progress records go fast
 CLAIMS_TO_BAN = 3  # checks at which a peer may be found making an unbacked claim before it is banned (history.py)
+MEMORY_PERIODS = 2  # idle periods for which a peer a read showed live counts as unseen, not gone, when a read lacks it
 BAD_STATES_TO_BAN = 2  # states a donor may serve that do not verify before it is banned
 PLAN_FIELDS = frozenset({"round_budget", "round_deadline"})  # what ends a peer's round; read by the others' pace
 _NUMERIC_FIELDS = ("round", "outer_step", "round_tokens", "round_budget", "rate", "time", "period", "round_deadline")
@@ -84,6 +85,9 @@ class SwarmView:
         # count in our round's budget, nor end it
         self.left_out: frozenset[str] = frozenset()
         self._claims: dict[str, tuple[frozenset[history.Node], int]] = {}  # peer -> (heads said, checks it claimed at)
+        # peer -> when (monotonic) a read last showed it live: one that a later read lacks counts as unseen, not gone,
+        # for ``MEMORY_PERIODS`` idle periods (history.choose_target's ``unseen``)
+        self._last_seen: dict[str, float] = {}
         self._bad_states: dict[str, int] = {}
 
     def excluded(self) -> frozenset[str]:
@@ -127,12 +131,14 @@ class SwarmView:
             peers_ahead=sum(int(r.get("round", -1)) > round_index for r in peers if well_formed(r)),
         )
 
-    def target(self, records: Mapping[str, dict], chain: Sequence[history.Node], fresh: bool) -> history.Target | None:
-        """The state to take (history.choose_target among the live peers); with nothing to follow, the heads far ahead
-        are claims the swarm does not back: said once each, and a peer found claiming at ``CLAIMS_TO_BAN`` checks
-        is banned."""
+    def target(self, records: Mapping[str, dict], chain: Sequence[history.Node], fresh: bool,
+               now: float | None = None) -> history.Target | None:
+        """The state to take (history.choose_target among the live peers, those seen a moment ago that this read
+        lacks counted as unseen); with nothing to follow, the heads far ahead are claims the swarm does not back:
+        said once each, and a peer found claiming at ``CLAIMS_TO_BAN`` checks is banned."""
         live = self.live(records)
-        target = history.choose_target(live, chain, fresh, self.own_id, self.anchors)
+        unseen = self.unseen(live, time.monotonic() if now is None else now)
+        target = history.choose_target(live, chain, fresh, self.own_id, self.anchors, unseen)
         if target is None and not fresh:
             for peer, node in history.unbacked_claims(live, chain, self.own_id).items():
                 said, checks = self._claims.get(peer, (frozenset(), 0))
@@ -144,6 +150,16 @@ class SwarmView:
                     self._ban(peer, f"it claimed outer steps that no majority of the swarm vouches for, at {checks + 1} "
                                     "of our checks")
         return target
+
+    def unseen(self, live: Mapping[str, dict], now: float) -> int:
+        """How many peers a read within the last ``MEMORY_PERIODS`` idle periods showed live that ``live`` lacks
+        (banned ones aside). A peer that said it left or whose record expired stops counting after that memory."""
+        memory_s = MEMORY_PERIODS * self.idle_s
+        excluded = self.excluded()
+        seen = {peer: at for peer, at in self._last_seen.items() if now - at <= memory_s and peer not in excluded}
+        seen.update(dict.fromkeys((peer for peer in live if peer != self.own_id), now))
+        self._last_seen = seen
+        return len(seen.keys() - live.keys())
 
     def moved_past(self, records: Mapping[str, dict], own_record: Mapping, outer_step: int) -> bool:
         """Whether a search for a group at ``outer_step`` can no longer succeed (history.moved_past)."""

@@ -391,7 +391,10 @@ def run_averaging(
             return AveragingOutcome(None, (), 0.0, "stale", "the swarm moved past this outer step while we looked for a group")
         except AveragerGone:
             return AveragingOutcome(None, (), 0.0, "error", "the averager process is gone")
-        except Exception as e:  # hivemind raises a zoo of types for a failed round; all mean "no average"
+        # hivemind raises a zoo of types for a failed round; all mean "no average". A step the averager cancelled on
+        # its side (seen right after a search we abandoned) raises asyncio's CancelledError, a BaseException: uncaught,
+        # it ended the averaging thread and the learner waited for that round forever
+        except (Exception, asyncio.CancelledError) as e:
             text = f"{type(e).__name__}: {e}"
             status = "partial" if "partial all-reduce" in text else "no_group" if "group" in text else "error"
             if status == "partial" or deadline - time.monotonic() < 1.0:

@@ -233,12 +233,12 @@ class ProgressBeacon:
             try:
                 self.peers = self._read_peers()
                 self._remember_or_rejoin()
-            except Exception as e:  # a DHT hiccup must not kill the beacon
+            except (Exception, asyncio.CancelledError) as e:  # a DHT hiccup must not kill the beacon
                 logger.debug("reading progress failed: %r", e)
             period_s = self._next_period(period_s)
             try:
                 self.publish_now()
-            except Exception as e:
+            except (Exception, asyncio.CancelledError) as e:
                 logger.debug("publishing progress failed: %r", e)
 
     def _next_period(self, period_s: float) -> float:
@@ -246,7 +246,7 @@ class ProgressBeacon:
             return self._period_s
         try:
             paced_s = self._pace()
-        except Exception as e:  # a bug or a record nobody foresaw: never stop publishing over it
+        except (Exception, asyncio.CancelledError) as e:  # a bug or a record nobody foresaw: never stop publishing over it
             logger.debug("pacing failed: %r", e)
             paced_s = self._period_s
         if paced_s != period_s:
@@ -306,8 +306,8 @@ class ProgressBeacon:
 class ProgressReader:
     """Reads the other peers' progress records (``read_progress``, this node's own left out).
 
-    With ``push``: the records pushed to this node, read locally. A read asks the DHT instead every
-    ``DHT_EVERY``-th time, and whenever the local read finds nobody else or lacks a peer the last read had (one
+    With ``push``: the records pushed to this node, read locally. A read asks the DHT instead the first time and
+    every ``DHT_EVERY``-th time after, and whenever the local read finds nobody else or lacks a peer the last read had (one
     that did not say it left: pushes between it and us may have stopped, the DHT's other nodes may still hold it).
     A peer found in the DHT whose record was not renewed here since the last DHT read does not push to us (it does
     not know us: a joiner, a routing table that dropped us, a swarm too large for every table to hold everyone):
@@ -319,7 +319,9 @@ class ProgressReader:
     def __init__(self, dht: DHT, key: str, push: bool):
         self._dht, self._key, self._push = dht, key, push
         self._own = dht.peer_id.to_base58()
-        self._local_reads = 0  # local reads since the last DHT read (two threads read: a miscount is harmless)
+        # local reads since the last DHT read (two threads read: a miscount is harmless). The first read asks the DHT:
+        # what was pushed to a joiner so far is whoever pushed first, perhaps a lone liar (core/history.py)
+        self._local_reads = DHT_EVERY - 1
         self._seen: frozenset[str] = frozenset()  # the peers the last read returned
         self._expirations: dict[str, float] = {}  # each peer's record's expiration at the last local read
         self._renewed: set[str] = set()  # peers whose record was renewed here between local reads since the last DHT read

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 
 from p2p_diloco.core.history import CHAIN, Target, chain_of, choose_target, moved_past, unbacked_claims
+from p2p_diloco.core.swarm_view import SwarmView
 
 
 def sha(name: str) -> str:
@@ -130,3 +131,33 @@ def test_a_peer_one_step_ahead_of_everyone_keeps_its_head():
     assert choose_target(records, history("h", 32), fresh=False, own_id="a") is None
     assert choose_target(records, history("h", 32), fresh=True, own_id="a") is None
     assert not unbacked_claims(records, history("h", 32), own_id="a") and not moved_past(records, history("h", 32), "a")
+
+
+def test_a_read_that_lacks_peers_seen_a_moment_ago_is_no_swarm_of_one():
+    """A joiner's first records are whoever pushed first; a DHT answer may come from part of the swarm. Peers seen a
+    moment ago that a read lacks count as unseen peers at our head: a read that shows only a liar, or only two
+    colluders, moves nobody (it did: a late joiner took a claimer's state, the honest peers' records not yet read)."""
+    start = [(0, sha("init"))]
+    claimer = view({"x": [*history("h", 3), *history("x", 8, first=4)]})
+    assert choose_target(claimer, start, fresh=True, own_id="a") == Target(8, sha("x8"), "fresh")  # truly a swarm of two
+    assert choose_target(claimer, start, fresh=True, own_id="a", unseen=2) is None
+    colluders = [*history("h", 9), *history("x", 14, first=10)]  # they vouch for our history, then claim more
+    for fresh, own in ((False, history("h", 9)), (True, start)):
+        assert choose_target(view({"x": colluders, "y": colluders}), own, fresh=fresh, own_id="a").node == (14, sha("x14"))
+        assert choose_target(view({"x": colluders, "y": colluders}), own, fresh=fresh, own_id="a", unseen=3) is None
+    # an honest majority is still followed with a peer unseen, and a partition still merges onto the larger side
+    honest = view({"b": history("h", 11), "c": history("h", 11), "d": history("h", 11)})
+    assert choose_target(honest, history("h", 10), fresh=False, own_id="a", unseen=1) == Target(11, sha("h11"), "majority")
+    assert choose_target(honest, start, fresh=True, own_id="a", unseen=1) == Target(11, sha("h11"), "fresh")
+
+
+def test_the_view_remembers_peers_a_read_lacks_for_two_idle_periods():
+    view_ = SwarmView("a", idle_s=5.0)
+    start = [(0, sha("init"))]
+    claimer = record([*history("h", 3), *history("x", 8, first=4)])
+    everyone = {"b": record(history("h", 12)), "c": record(history("h", 12)), "x": claimer}
+    assert view_.target(everyone, start, fresh=True, now=100.0) == Target(12, sha("h12"), "fresh")
+    assert view_.target({"x": claimer}, start, fresh=True, now=101.0) is None  # b and c are unseen, not gone
+    assert view_.target({"x": claimer}, start, fresh=True, now=109.0) is None
+    # two idle periods on, they are gone (they left, or their records expired): the one left is a swarm of two
+    assert view_.target({"x": claimer}, start, fresh=True, now=112.0) == Target(8, sha("x8"), "fresh")

@@ -99,20 +99,24 @@ def _reader(swarm: _Swarm, push: bool, monkeypatch) -> ProgressReader:
     return ProgressReader(dht, "run.progress", push)
 
 
-def test_with_push_reads_are_local_but_every_tenth_which_asks_the_dht(monkeypatch):
+def test_with_push_reads_are_local_but_the_first_and_every_tenth_which_ask_the_dht(monkeypatch):
     local = {"me": dict(round=1), "a": dict(round=1)}
     swarm = _Swarm(local, {**local, "b": dict(round=1)}, pushing={"a"})
     read = _reader(swarm, True, monkeypatch)
-    seen = [set(read()) for _ in range(DHT_EVERY)]
-    assert swarm.reads == [True] * (DHT_EVERY - 1) + [False]
-    assert seen[0] == {"a"} and seen[-1] == {"a", "b"}  # our own record is never among the others'
+    seen = [set(read()) for _ in range(DHT_EVERY + 1)]
+    assert swarm.reads == [False] + [True] * (DHT_EVERY - 1) + [False]
+    # the first read is the whole swarm, not whoever pushed to a joiner first; our own record is never among them
+    assert seen[0] == {"a", "b"} and seen[-1] == {"a", "b"}
 
 
 def test_a_local_read_that_finds_nobody_asks_the_dht_at_once(monkeypatch):
-    swarm = _Swarm({"me": dict(round=1)}, {"me": dict(round=1), "a": dict(round=1)}, pushing=set())
+    everywhere = {"me": dict(round=1)}
+    swarm = _Swarm({"me": dict(round=1)}, everywhere, pushing=set())
     read = _reader(swarm, True, monkeypatch)
+    assert read() == {}  # the first read asks the DHT: alone so far
+    everywhere["a"] = dict(round=1)  # a peer joins and has not pushed to us yet
     assert set(read()) == {"a"}
-    assert swarm.reads == [True, False]
+    assert swarm.reads == [False, True, False]
 
 
 def test_a_local_read_that_lost_a_peer_which_did_not_say_it_left_asks_the_dht(monkeypatch):
@@ -120,21 +124,27 @@ def test_a_local_read_that_lost_a_peer_which_did_not_say_it_left_asks_the_dht(mo
     swarm = _Swarm(local, dict(local), pushing={"a", "b"})
     read = _reader(swarm, True, monkeypatch)
     read()
+    assert set(read()) == {"a", "b"}
     del local["b"]  # our routing tables dropped each other: its pushes stopped and its record expired here
     assert set(read()) == {"a", "b"}  # the DHT's other nodes still hold it
-    assert swarm.reads == [True, True, False]
+    assert swarm.reads == [False, True, True, False]
 
 
 def test_a_peer_whose_record_was_not_renewed_here_is_pinged_and_not_again_soon_and_a_client_never(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("p2p_diloco.swarm.progress.time.monotonic", lambda: clock[0])
     local = {"a": dict(round=1), "b": dict(round=1)}  # "b" only as a DHT read left it: never renewed here
     swarm = _Swarm(local, {**local, "c": dict(round=1, client=True), "d": dict(round=1)}, pushing={"a"})
     read = _reader(swarm, True, monkeypatch)
+    read()  # a joiner's first read: nobody has pushed to it yet, so it introduces itself to all it can dial
+    assert swarm.pinged == [["a", "b", "d"]]  # "c" can't be dialled
+    clock[0] += 600.0  # long after: each may be pinged again
     for _ in range(DHT_EVERY):
         read()
-    assert swarm.reads[-1] is False and swarm.pinged == [["b", "d"]]  # "a" pushes to us; "c" can't be dialled
+    assert swarm.reads[-1] is False and swarm.pinged[1:] == [["b", "d"]]  # "a" pushes to us
     for _ in range(DHT_EVERY):
         read()
-    assert swarm.pinged == [["b", "d"]]  # pinged a minute ago at most: not again yet
+    assert swarm.pinged[1:] == [["b", "d"]]  # pinged a minute ago at most: not again yet
 
 
 def test_introductions_are_few_per_read(monkeypatch):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import Future
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -74,3 +75,27 @@ def test_a_step_of_an_averager_that_died_ends_the_round_instead_of_waiting_for_i
     outcome = run_averaging(averager, [torch.ones(3)], 1.0, 4, timeout_s=3600)
     assert outcome.status == "error" and outcome.averaged is None and outcome.reason == "the averager process is gone"
     assert len(averager.requests) == 1  # not tried again either
+
+
+class CancellingAverager(FakeAverager):
+    """Cancels its first step on its side (seen right after a search that was abandoned), then answers."""
+
+    def step(self, gather: dict, **kwargs: object) -> SimpleNamespace:
+        if self.requests:
+            return super().step(gather, **kwargs)
+        self.requests.append(gather)
+
+        def cancelled(timeout: float | None = None) -> None:
+            raise asyncio.CancelledError()  # what hivemind's MPFuture raises for a cancelled step: a BaseException
+
+        return SimpleNamespace(result=cancelled, stage=None)
+
+
+@pytest.mark.timeout(30)
+def test_a_step_the_averager_cancelled_is_a_failed_attempt_not_a_dead_averaging_thread():
+    """It raised out of run_averaging and ended the averaging thread; the learner then waited for that round forever."""
+    averager = CancellingAverager({"a": dict(outer_step=4, weight=1.0), "b": dict(outer_step=4, weight=1.0)})
+    outcome = run_averaging(averager, [torch.ones(3)], 1.0, 4, timeout_s=60)
+    assert outcome.status == "ok" and len(averager.requests) == 2  # tried again within the round's time
+    outcome = run_averaging(CancellingAverager({}), [torch.ones(3)], 1.0, 4, timeout_s=0.5)
+    assert outcome.status == "error" and "CancelledError" in outcome.reason  # no time left: the round fails
