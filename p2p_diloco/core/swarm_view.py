@@ -137,7 +137,7 @@ class SwarmView:
         lacks counted as unseen); with nothing to follow, the heads far ahead are claims the swarm does not back:
         said once each, and a peer found claiming at ``CLAIMS_TO_BAN`` checks is banned."""
         live = self.live(records)
-        unseen = self.unseen(live, time.monotonic() if now is None else now)
+        unseen = self._note_unseen(live, time.monotonic() if now is None else now)
         target = history.choose_target(live, chain, fresh, self.own_id, self.anchors, unseen)
         if target is None and not fresh:
             for peer, node in history.unbacked_claims(live, chain, self.own_id).items():
@@ -151,9 +151,10 @@ class SwarmView:
                                     "of our checks")
         return target
 
-    def unseen(self, live: Mapping[str, dict], now: float) -> int:
-        """How many peers a read within the last ``MEMORY_PERIODS`` idle periods showed live that ``live`` lacks
-        (banned ones aside). A peer that said it left or whose record expired stops counting after that memory."""
+    def _note_unseen(self, live: Mapping[str, dict], now: float) -> int:
+        """Note who ``live`` shows at ``now``, and return how many peers a read within the last ``MEMORY_PERIODS`` idle
+        periods showed live that ``live`` lacks (banned ones aside). A peer that said it left or whose record expired
+        stops counting after that memory."""
         memory_s = MEMORY_PERIODS * self.idle_s
         excluded = self.excluded()
         seen = {peer: at for peer, at in self._last_seen.items() if now - at <= memory_s and peer not in excluded}

@@ -43,6 +43,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 
 from p2p_diloco.core.compression import ReducerFeedback
 from p2p_diloco.core.link import AveragingOutcome
+from p2p_diloco.swarm.hivemind_api import CALL_FAILED
 from p2p_diloco.swarm.wire import MeteredStub, TrafficCounters, WireCodec, install_wire_codecs, metered
 
 logger = logging.getLogger(__name__)
@@ -391,10 +392,9 @@ def run_averaging(
             return AveragingOutcome(None, (), 0.0, "stale", "the swarm moved past this outer step while we looked for a group")
         except AveragerGone:
             return AveragingOutcome(None, (), 0.0, "error", "the averager process is gone")
-        # hivemind raises a zoo of types for a failed round; all mean "no average". A step the averager cancelled on
-        # its side (seen right after a search we abandoned) raises asyncio's CancelledError, a BaseException: uncaught,
-        # it ended the averaging thread and the learner waited for that round forever
-        except (Exception, asyncio.CancelledError) as e:
+        # hivemind raises a zoo of types for a failed round, a step it cancelled on its side among them (seen right
+        # after a search we abandoned): all mean "no average" (hivemind_api.CALL_FAILED)
+        except CALL_FAILED as e:
             text = f"{type(e).__name__}: {e}"
             status = "partial" if "partial all-reduce" in text else "no_group" if "group" in text else "error"
             if status == "partial" or deadline - time.monotonic() < 1.0:

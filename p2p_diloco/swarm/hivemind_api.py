@@ -20,9 +20,14 @@ anywhere else, before a peer joins a swarm (``join_swarm``). Where the private A
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 SUPPORTED_VERSION = "1.1.12"
+# what a call into hivemind's processes raises when it fails: its futures raise asyncio's CancelledError, a
+# BaseException, for a step or request cancelled on the other side (an averaging thread once died of it, and its
+# learner waited for that round forever). Background threads and the training loop catch this, not Exception alone
+CALL_FAILED: tuple[type[BaseException], ...] = (Exception, asyncio.CancelledError)
 
 
 def check_version() -> None:

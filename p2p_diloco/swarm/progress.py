@@ -30,6 +30,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from p2p_diloco.core.swarm_view import PLAN_FIELDS, well_formed
+from p2p_diloco.swarm.hivemind_api import CALL_FAILED
 from p2p_diloco.swarm.processes import lower_this_thread
 
 logger = logging.getLogger(__name__)
@@ -233,12 +234,12 @@ class ProgressBeacon:
             try:
                 self.peers = self._read_peers()
                 self._remember_or_rejoin()
-            except (Exception, asyncio.CancelledError) as e:  # a DHT hiccup must not kill the beacon
+            except CALL_FAILED as e:  # a DHT hiccup must not kill the beacon
                 logger.debug("reading progress failed: %r", e)
             period_s = self._next_period(period_s)
             try:
                 self.publish_now()
-            except (Exception, asyncio.CancelledError) as e:
+            except CALL_FAILED as e:
                 logger.debug("publishing progress failed: %r", e)
 
     def _next_period(self, period_s: float) -> float:
@@ -246,7 +247,7 @@ class ProgressBeacon:
             return self._period_s
         try:
             paced_s = self._pace()
-        except (Exception, asyncio.CancelledError) as e:  # a bug or a record nobody foresaw: never stop publishing over it
+        except Exception as e:  # a bug or a record nobody foresaw: never stop publishing over it
             logger.debug("pacing failed: %r", e)
             paced_s = self._period_s
         if paced_s != period_s:

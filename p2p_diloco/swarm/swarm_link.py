@@ -9,7 +9,6 @@ verify.py). It does not train, and it holds no policy about what a failed round 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import signal
@@ -29,6 +28,7 @@ from p2p_diloco.core.swarm_view import ProgressPace, SwarmView
 from p2p_diloco.core.verify import verified_state
 from p2p_diloco.swarm.averaging import run_averaging
 from p2p_diloco.swarm.guarded import GuardedAllReduceRunner, GuardedAverager
+from p2p_diloco.swarm.hivemind_api import CALL_FAILED
 from p2p_diloco.swarm.joining import SwarmStartError, first_line, join_swarm, peer_ids_in
 from p2p_diloco.swarm.membership import RunMembership
 from p2p_diloco.swarm.processes import close_dht, kill_if_alive, lower_priority, lower_this_thread
@@ -175,7 +175,7 @@ class SwarmLink:
         does not answer."""
         try:  # bounded: a DHT process that died (or a p2pd that did) must not hang the training loop
             return self._reader()
-        except (Exception, asyncio.CancelledError) as e:
+        except CALL_FAILED as e:
             logger.debug("reading progress records failed: %r", e)
             return dict(self._beacon.peers) if self._beacon is not None else {}
 
@@ -247,7 +247,7 @@ class SwarmLink:
             averager.take_rejections()  # left over from an abandoned attempt
             averager.set_allowed_weights(self.view.ledger.allowed(outer_step, rounds=2 * self._fragments),
                                          self.view.shunned | self.view.history_banned)
-        except (Exception, asyncio.CancelledError) as e:  # the averager process is gone or stuck: run_averaging reports it
+        except CALL_FAILED as e:  # the averager process is gone or stuck: run_averaging reports it
             logger.debug("could not pass the weight limits to the averager: %r", e)
         base = self._base()
         outcome = run_averaging(
@@ -290,7 +290,7 @@ class SwarmLink:
             lower_this_thread(self.config.background_nice)  # compression, hashing, copies: after the training
             try:
                 future.set_result(self.average(tensors, weight, outer_step))
-            except (Exception, asyncio.CancelledError) as e:  # a bug, not a network failure: a failed round, loudly
+            except CALL_FAILED as e:  # a bug, not a network failure: a failed round, loudly
                 logger.exception("averaging crashed")
                 future.set_result(AveragingOutcome(None, (), 0.0, "error", f"{type(e).__name__}: {e}"))
 
@@ -335,7 +335,7 @@ class SwarmLink:
             remaining = deadline - time.monotonic()
             try:
                 loaded = self._averager.load_state_excluding(timeout=remaining, exclude=sorted(refused))
-            except (Exception, asyncio.CancelledError) as e:
+            except CALL_FAILED as e:
                 logger.warning("state download failed: %s", first_line(e))
                 loaded = None
             if loaded is None:
