@@ -29,6 +29,8 @@ class AveragingOutcome:
     reason: str = ""
     # (peer id, why) for every groupmate whose contribution or result this peer rejected, or whose weight it clamped
     rejected: tuple[tuple[str, str], ...] = ()
+    # the group's average's norm over the swarm's reference norm (robust.swarm_reference); None where none was known
+    norm_ratio: float | None = None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,10 @@ With no acceptable sender a part averages to zeros: a zero step for those values
 
 A sender checks what a reducer returns (``result_problem``): at most ``result_median_ratio`` times the upper
 median of the norms that the group's members declared for that part (the bound above, with room for the codec),
-or, where no norms were declared, ``result_norm_ratio`` times the norm of what it sent itself.
+or, where no norms were declared, ``result_norm_ratio`` times the norm of what it sent itself. Those limits hold
+while honest members are a majority of the group; a group that adversaries dominate can only be told by the rest of
+the swarm: ``swarm_reference`` is the upper median of the outer-gradient norms the live peers published, and a group
+average over ``swarm_norm_ratio`` times it is refused whoever reduced it.
 
 This module is pure torch: it does not know hivemind or who the senders are, only their index in the group.
 It does not detect a reducer that returns a plausible but wrong average: cross_check.py does, with two reducers per
@@ -63,10 +66,14 @@ class RobustPolicy:
     # cross-checked averaging (cross_check.py): a share's two averages may differ by this fraction of their norm
     # (unlike CPUs sum in other orders, and the codec then rounds a few values to the next level)
     cross_check_tolerance: float = 0.05
+    # a group's whole average may be at most this times the swarm's reference norm (swarm_reference): the limit that
+    # holds when adversaries are a majority of the group (but not of the swarm), with room for honest peers that
+    # trained more tokens than most
+    swarm_norm_ratio: float = 6.0
 
     def __post_init__(self) -> None:
         for name in ("max_norm_ratio", "max_weight_ratio", "weight_margin", "result_norm_ratio", "result_weight_scale_cap",
-                     "result_ban_excess", "clip_ratio", "result_median_ratio"):
+                     "result_ban_excess", "clip_ratio", "result_median_ratio", "swarm_norm_ratio"):
             if not getattr(self, name) >= 1.0:
                 raise ValueError(f"RobustPolicy.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -291,6 +298,29 @@ def result_problem(
         limit = _result_limit(policy, weight_ratio)
         return f"norm {float(result.norm()):.3g} > {limit:.3g}x the norm we sent ({float(sent.norm()):.3g})"
     return None
+
+
+def swarm_reference(own_norm: float, published: Sequence[object], others: int) -> float | None:
+    """The norm a group's average is measured against when its members may be mostly adversaries (docs/design.md §7):
+    the upper median of the outer-gradient norms that the ``others`` live peers published for this fragment, with
+    ours of this round among them, and never below ours. With honest peers a majority of the live peers, whatever
+    norms a minority publishes, the upper median is an honest one. None (no check) while fewer than half of the
+    others published a well-formed norm (a swarm's first round, an earlier version).
+    """
+    norms = [float(v) for v in published
+             if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0]
+    if not norms or 2 * len(norms) < others:
+        return None
+    values = sorted([*norms, own_norm])
+    return max(own_norm, values[len(values) // 2])
+
+
+def swarm_problem(result_norm: float, reference: float | None, policy: RobustPolicy) -> str | None:
+    """Why a group's whole average must not be applied, judged against the swarm's reference norm, or None."""
+    if reference is None or reference <= 0 or result_norm <= policy.swarm_norm_ratio * reference:
+        return None
+    return (f"the group's average (norm {result_norm:.3g}) is {result_norm / reference:.1f}x the swarm's reference "
+            f"norm ({reference:.3g}; limit {policy.swarm_norm_ratio:g}x)")
 
 
 def result_excess(result: torch.Tensor, sent: torch.Tensor, policy: RobustPolicy, weight_ratio: float = 1.0) -> float:

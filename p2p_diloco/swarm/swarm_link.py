@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import signal
 import threading
 import time
@@ -24,6 +25,7 @@ from p2p_diloco.core import history
 from p2p_diloco.core.compression import FEEDBACK_CODECS, ErrorFeedback, ReducerFeedback, make_codec
 from p2p_diloco.core.config import SwarmConfig
 from p2p_diloco.core.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
+from p2p_diloco.core.robust import swarm_problem, swarm_reference
 from p2p_diloco.core.swarm_view import ProgressPace, SwarmView
 from p2p_diloco.core.verify import verified_state
 from p2p_diloco.swarm.averaging import run_averaging
@@ -250,6 +252,8 @@ class SwarmLink:
         except CALL_FAILED as e:  # the averager process is gone or stuck: run_averaging reports it
             logger.debug("could not pass the weight limits to the averager: %r", e)
         base = self._base()
+        fragment, own_norm = outer_step % self._fragments, _norm(tensors)
+        self._publish_norm(fragment, own_norm)
         outcome = run_averaging(
             averager, tensors, weight, outer_step, self.config.averaging_timeout_s, 1 + len(live),
             lambda: self._moved_past(outer_step), base=str(base) if base else None,
@@ -263,7 +267,42 @@ class SwarmLink:
             self.view.banned = banned
             self._publish_bans()
         self.view.left_out = averager.left_out_senders()
-        return dataclasses.replace(outcome, rejected=rejected) if rejected else outcome
+        if rejected:
+            outcome = dataclasses.replace(outcome, rejected=rejected)
+        if outcome.averaged is not None and len(outcome.peers) > 1:
+            outcome = self._checked_against_swarm(outcome, live, fragment, own_norm, averager.policy)
+        return outcome
+
+    def _publish_norm(self, fragment: int, norm: float) -> None:
+        """Say the norm of the outer gradient we send for ``fragment`` in our progress record (``outer_norms``, one per
+        fragment): the others' reference for a group average (robust.swarm_reference)."""
+        beacon = self._beacon
+        if beacon is None:
+            return
+        norms = beacon.own_record().get("outer_norms")
+        norms = list(norms) if isinstance(norms, list) and len(norms) == self._fragments else [None] * self._fragments
+        norms[fragment] = float(norm)
+        beacon.update(outer_norms=norms)
+
+    def _checked_against_swarm(self, outcome: AveragingOutcome, live: dict[str, dict], fragment: int, own_norm: float,
+                               policy) -> AveragingOutcome:
+        """Refuse a group average far larger than the swarm's outer gradients (docs/design.md §7): the check that
+        holds when adversaries are a majority of our group. Refused, the round fails for us and our tensors keep
+        their values, as for a bad part."""
+        published = []
+        for record in live.values():
+            norms = record.get("outer_norms")
+            if isinstance(norms, list) and len(norms) == self._fragments:
+                published.append(norms[fragment])
+        reference = swarm_reference(own_norm, published, len(live))
+        assert outcome.averaged is not None
+        result_norm = _norm(outcome.averaged)
+        ratio = round(result_norm / reference, 4) if reference else None
+        problem = swarm_problem(result_norm, reference, policy)
+        if problem is None:
+            return dataclasses.replace(outcome, norm_ratio=ratio)
+        logger.warning("refused the average of group %s: %s", ", ".join(outcome.peers), problem)
+        return AveragingOutcome(None, outcome.peers, 0.0, "error", problem, outcome.rejected, ratio)
 
     def _base(self) -> str | None:
         """The sha256 of the state our outer gradient was measured from: the one we last published."""
@@ -377,3 +416,8 @@ class SwarmLink:
         if self.dht is not None:
             close_dht(self.dht)
             self.dht = None
+
+
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of several tensors taken as one vector."""
+    return math.sqrt(sum(float(t.detach().float().norm()) ** 2 for t in tensors))

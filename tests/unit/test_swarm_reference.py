@@ -1,0 +1,82 @@
+"""A group that adversaries dominate (robust.swarm_reference, swarm_problem; docs/design.md §7): centered clipping
+centres on a group's majority, so two colluders in a group of three pass every check of the group; the swarm's
+published outer-gradient norms, most of them honest, still refuse their average, and never an honest one."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from p2p_diloco.core.link import AveragingOutcome
+from p2p_diloco.core.portable import seeded_normal
+from p2p_diloco.core.robust import RobustPolicy, result_problem, robust_average, swarm_problem, swarm_reference
+from p2p_diloco.swarm.swarm_link import SwarmLink
+
+SHAPE = torch.Size([4096])
+POLICY = RobustPolicy()
+
+
+def _honest(index: int) -> torch.Tensor:
+    return seeded_normal(4096, "shared").mul_(0.01) + seeded_normal(4096, f"honest {index}").mul_(0.005)
+
+
+def _pushed(scale: float, like: torch.Tensor) -> torch.Tensor:
+    push = seeded_normal(4096, "attack")
+    return push.mul_(scale * float(like.norm()) / float(push.norm()))
+
+
+def test_two_colluders_in_a_group_of_three_pass_the_groups_checks_and_are_refused_by_the_swarms_norms():
+    own = _honest(0)
+    push = _pushed(90, own)
+    parts = [own, push, push.clone()]  # we reduce this part; the colluders are the group's majority
+    result, _, left_out = robust_average(parts, [1000.0] * 3, [None] * 3, SHAPE, POLICY, own=0)
+    assert not left_out
+    assert float(result.norm()) > 30 * float(own.norm())  # the centre is theirs: the average is mostly their push
+    declared = [float(p.norm()) for p in parts]
+    assert result_problem(result, own, POLICY, 1.0, declared) is None  # the group's own check lets it through
+
+    # the swarm of five: our own norm, two honest peers outside the group, the two colluders (publishing anything)
+    for theirs in ([float(push.norm())] * 2, [0.0, 0.0], [1e30, 1e30]):
+        reference = swarm_reference(float(own.norm()), [float(_honest(1).norm()), float(_honest(2).norm()), *theirs], 4)
+        assert reference is not None and reference < 1.1 * float(_honest(1).norm())
+        assert "swarm's reference norm" in swarm_problem(float(result.norm()), reference, POLICY)
+
+    # an honest group of three is far inside the limit, and so is a peer that trained 4x the tokens of the others
+    calm, _, _ = robust_average([own, _honest(1), _honest(2)], [1000.0] * 3, [None] * 3, SHAPE, POLICY, own=0)
+    reference = swarm_reference(float(own.norm()), [float(_honest(i).norm()) for i in (1, 2, 3, 4)], 4)
+    assert swarm_problem(float(calm.norm()), reference, POLICY) is None
+    bigger, _, _ = robust_average([own, _honest(1) * 4, _honest(2)], [1000.0, 4000.0, 1000.0], [None] * 3, SHAPE,
+                                  POLICY, own=0)
+    assert swarm_problem(float(bigger.norm()), reference, POLICY) is None
+
+
+def test_the_reference_needs_half_the_swarm_is_at_least_our_own_norm_and_ignores_hostile_values():
+    assert swarm_reference(1.0, [], 0) is None  # nobody else: nothing to compare with
+    assert swarm_reference(1.0, [2.0], 4) is None  # one of four others published: too few to speak for the swarm
+    assert swarm_reference(1.0, [2.0, 3.0], 4) == 2.0  # upper median of [1, 2, 3]
+    assert swarm_reference(5.0, [1.0, 1.0, 1.0], 3) == 5.0  # never below ours: a peer larger than the rest
+    hostile = [math.nan, math.inf, -1.0, True, "2", None, [1.0]]
+    assert swarm_reference(1.0, hostile, 7) is None  # none of these is a norm
+    assert swarm_reference(1.0, [*hostile, 2.0, 2.0, 2.0, 2.0], 11) is None  # four of eleven: too few
+    assert swarm_reference(1.0, [*hostile[:6], *[2.0] * 6], 12) == 2.0  # half of twelve
+    assert swarm_problem(59.0, 10.0, POLICY) is None
+    assert swarm_problem(61.0, 10.0, POLICY) is not None
+    assert swarm_problem(1e9, None, POLICY) is None  # no reference: no check
+
+
+def test_the_link_refuses_a_dominated_groups_average_and_keeps_the_ratio_of_an_accepted_one():
+    link = SimpleNamespace(_fragments=2)
+    honest = {f"h{i}": {"outer_norms": [1.0, 2.0]} for i in range(2)}
+    colluders = {f"c{i}": {"outer_norms": [500.0, 500.0]} for i in range(2)}
+    live = {**honest, **colluders}
+    outcome = AveragingOutcome([torch.full((4,), 30.0)], ("us", "c0", "c1"), 3.0, "ok")  # norm 60 against fragment 1's 2
+    refused = SwarmLink._checked_against_swarm(link, outcome, live, 1, 2.0, POLICY)
+    assert refused.averaged is None and refused.status == "error" and refused.norm_ratio == 30.0
+    assert "swarm's reference norm" in refused.reason
+    accepted = SwarmLink._checked_against_swarm(link, outcome, live, 1, 20.0, POLICY)  # we are the large one
+    assert accepted.averaged is not None and accepted.norm_ratio == 3.0
+    # records of another fragment count (a peer with other --fragments) are not a reference
+    other = {peer: {"outer_norms": [1.0]} for peer in live}
+    assert SwarmLink._checked_against_swarm(link, outcome, other, 1, 2.0, POLICY).norm_ratio is None
