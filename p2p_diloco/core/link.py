@@ -83,6 +83,8 @@ class Link(Protocol):
 
     def refuse_donor(self, donor: str, reason: str) -> None: ...
 
+    def norm_reference(self, outer_step: int, own_norm: float) -> float | None: ...
+
     def publish(self, **fields: object) -> None: ...
 
     def traffic(self) -> tuple[int, int]: ...
@@ -117,6 +119,9 @@ class ImmediateAveraging:
 
     def refuse_donor(self, donor: str, reason: str) -> None:
         pass
+
+    def norm_reference(self, outer_step: int, own_norm: float) -> float | None:
+        return None
 
 
 class LocalLink(ImmediateAveraging):

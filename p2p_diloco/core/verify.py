@@ -8,8 +8,8 @@
 - ``next_step_problem``: a state one step past ours that no majority vouches for (a swarm of two) is taken only if
   our own state plus the average its donor serves gives exactly its bytes (the portable arithmetic makes this a
   byte comparison, docs/design.md §5), and that average passes the checks a reducer's result passes against the
-  outer gradient we sent for that step (robust.result_problem): its donor can move us no further than a reducer
-  could.
+  outer gradient we sent for that step (robust.result_problem), and the swarm's reference norm
+  (robust.swarm_problem): its donor can move us no further than a reducer, or a group, could.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from p2p_diloco.core import history
 from p2p_diloco.core.config import OuterConfig
 from p2p_diloco.core.link import SwarmState
 from p2p_diloco.core.outer import OuterOptimizer, Segment, state_sha256
-from p2p_diloco.core.robust import RobustPolicy, result_problem
+from p2p_diloco.core.robust import RobustPolicy, result_problem, swarm_problem
 
 MOMENTUM_BOUND = 10.0  # a served momentum's norm may be at most this times its params' norm (or 1, if larger)
 MAX_HISTORY_PEERS = 1024  # peers one served round may name
@@ -63,10 +63,14 @@ def next_step_problem(
     state: SwarmState, own_step: int, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
     steps_taken: int, own_sha256: str, outer: OuterConfig, segments: Sequence[Segment],
     averaged: Sequence[torch.Tensor] | None, sent: Sequence[torch.Tensor], policy: RobustPolicy | None = None,
+    reference: float | None = None,
 ) -> str | None:
     """Why ``state`` is not the step after ours: ``averaged``, the donor's average as one 1-D piece per segment of
     the fragment that step averaged, applied to our params and momentum, must give its sha256; and it must pass a
-    reducer result's checks against ``sent``, the outer gradient we sent for that step (one piece per segment)."""
+    reducer result's checks against ``sent``, the outer gradient we sent for that step (one piece per segment), and
+    a group average's against ``reference``, the swarm's reference norm for that step (robust.swarm_reference; a
+    group that colluders dominated computed a step that its honest member refused: served as the next step, it
+    must be refused again)."""
     if state.outer_step != own_step + 1 or averaged is None or state.parent_sha256 != own_sha256:
         return "it serves no average made from our state"
     params, buffers = [p.clone() for p in global_params], [m.clone() for m in momentum]
@@ -81,7 +85,10 @@ def next_step_problem(
     policy = policy or RobustPolicy()
     flat = torch.cat([piece.reshape(-1) for piece in averaged])
     problem = result_problem(flat, torch.cat([piece.reshape(-1) for piece in sent]), policy, policy.result_weight_scale_cap)
-    return f"its average fails the checks of a reducer's result: {problem}" if problem else None
+    if problem:
+        return f"its average fails the checks of a reducer's result: {problem}"
+    problem = swarm_problem(float(flat.norm()), reference, policy)
+    return f"its average fails the swarm's check of a group average: {problem}" if problem else None
 
 
 def verified_state(

@@ -25,7 +25,7 @@ from p2p_diloco.core import history
 from p2p_diloco.core.compression import FEEDBACK_CODECS, ErrorFeedback, ReducerFeedback, make_codec
 from p2p_diloco.core.config import SwarmConfig
 from p2p_diloco.core.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
-from p2p_diloco.core.robust import swarm_problem, swarm_reference
+from p2p_diloco.core.robust import RobustPolicy, swarm_problem, swarm_reference
 from p2p_diloco.core.swarm_view import ProgressPace, SwarmView
 from p2p_diloco.core.verify import verified_state
 from p2p_diloco.swarm.averaging import run_averaging
@@ -285,16 +285,11 @@ class SwarmLink:
         beacon.update(outer_norms=norms)
 
     def _checked_against_swarm(self, outcome: AveragingOutcome, live: dict[str, dict], fragment: int, own_norm: float,
-                               policy) -> AveragingOutcome:
+                               policy: RobustPolicy) -> AveragingOutcome:
         """Refuse a group average far larger than the swarm's outer gradients (docs/design.md §7): the check that
         holds when adversaries are a majority of our group. Refused, the round fails for us and our tensors keep
         their values, as for a bad part."""
-        published = []
-        for record in live.values():
-            norms = record.get("outer_norms")
-            if isinstance(norms, list) and len(norms) == self._fragments:
-                published.append(norms[fragment])
-        reference = swarm_reference(own_norm, published, len(live))
+        reference = self._reference(live, fragment, own_norm)
         assert outcome.averaged is not None
         result_norm = _norm(outcome.averaged)
         ratio = round(result_norm / reference, 4) if reference else None
@@ -303,6 +298,22 @@ class SwarmLink:
             return dataclasses.replace(outcome, norm_ratio=ratio)
         logger.warning("refused the average of group %s: %s", ", ".join(outcome.peers), problem)
         return AveragingOutcome(None, outcome.peers, 0.0, "error", problem, outcome.rejected, ratio)
+
+    def norm_reference(self, outer_step: int, own_norm: float) -> float | None:
+        """The swarm's reference norm for ``outer_step``'s fragment, as of the beacon's last read, with ``own_norm``
+        ours (robust.swarm_reference): what a next step served to us is checked against (catch_up.py)."""
+        beacon = self._beacon
+        if beacon is None:
+            return None
+        return self._reference(self.view.live(dict(beacon.peers)), outer_step % self._fragments, own_norm)
+
+    def _reference(self, live: dict[str, dict], fragment: int, own_norm: float) -> float | None:
+        published = []
+        for record in live.values():
+            norms = record.get("outer_norms")
+            if isinstance(norms, list) and len(norms) == self._fragments:
+                published.append(norms[fragment])
+        return swarm_reference(own_norm, published, len(live))
 
     def _base(self) -> str | None:
         """The sha256 of the state our outer gradient was measured from: the one we last published."""

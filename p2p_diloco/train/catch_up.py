@@ -14,6 +14,7 @@ loop reads like the algorithm: the loop calls ``catch_up`` at a round's end and 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -50,7 +51,7 @@ def catch_up(learner: Learner, link: Link) -> bool:
         logger.warning("the swarm holds outer step %d (%s); no verified state could be downloaded", target.step, target.how)
         return False
     if state.how == "next":  # the target may have changed while downloading: check what was downloaded
-        problem = _next_step_problem(learner, state) if learner.unconfirmed is not None else "nothing of ours to check it by"
+        problem = _next_step_problem(learner, state, link) if learner.unconfirmed is not None else "nothing of ours to check it by"
         if problem is not None:
             logger.warning("refused the next step served by %s: %s", state.donor, problem)
             link.refuse_donor(state.donor, problem)
@@ -76,17 +77,18 @@ def catch_up(learner: Learner, link: Link) -> bool:
     return True
 
 
-def _next_step_problem(learner: Learner, state: SwarmState) -> str | None:
+def _next_step_problem(learner: Learner, state: SwarmState, link: Link) -> str | None:
     """Why we cannot take ``state`` as the step after ours: recomputed from our own state and the average its donor
     serves, it must give its bytes, and that average must pass a reducer result's checks against the outer
-    gradient we sent for that step (verify.py)."""
+    gradient we sent for that step, and a group average's against the swarm's reference norm (verify.py)."""
     pending = learner.unconfirmed
     assert pending is not None
     sent = [segment.of(learner.global_params) - snapshot.cpu() for segment, snapshot in zip(pending.segments, pending.snapshot)]
     averaged = learner.fragments.unpack(state.last_average, pending.segments) if state.last_average is not None else None
+    own_norm = math.sqrt(sum(float(piece.float().norm()) ** 2 for piece in sent))
     return next_step_problem(state, learner.outer_step, learner.global_params, learner.outer.momentum_buffers,
                              learner.outer.steps_taken, learner.global_sha256, learner.config.outer, pending.segments,
-                             averaged, sent)
+                             averaged, sent, reference=link.norm_reference(learner.outer_step, own_norm))
 
 
 def _take_state(learner: Learner, state: SwarmState, peer_id: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -10,7 +11,7 @@ import torch
 from p2p_diloco.core.config import InnerConfig
 from p2p_diloco.core.history import Node, Target
 from p2p_diloco.core.link import AveragingOutcome, ImmediateAveraging, SwarmState
-from p2p_diloco.core.outer import state_sha256
+from p2p_diloco.core.outer import OuterOptimizer, state_sha256
 from p2p_diloco.observe.metrics import NullSink
 from p2p_diloco.train.learner import Learner, PendingAveraging
 
@@ -253,3 +254,52 @@ def test_progress_carried_past_a_failed_round_onto_the_swarms_next_step_weighs_o
     assert call["weight"] == float(2 * LOCAL_STEPS * tokens_per_step)  # its round at step 1, across the catch-up
     assert learner.outer_step == 2 and learner.tokens_unsynced == 0  # the success synced all three rounds' worth
     assert learner.tokens_total == 3 * LOCAL_STEPS * tokens_per_step
+
+
+class NextStepLink(AheadLink):
+    """A swarm one step past us whose step no majority backs ("next"): its donor serves ``state`` and the average
+    that made it; ``reference`` is the swarm's reference norm the link reports."""
+
+    def __init__(self, state: SwarmState, reference: float | None):
+        super().__init__(state.outer_step, state)
+        self.reference, self.refused = reference, []
+
+    def swarm_target(self, chain: Sequence[Node], fresh: bool) -> Target | None:
+        return Target(self.state.outer_step, self.state.global_sha256, "next") if chain[-1][0] < self.swarm_step else None
+
+    def norm_reference(self, outer_step: int, own_norm: float) -> float | None:
+        return self.reference
+
+    def refuse_donor(self, donor: str, reason: str) -> None:
+        self.refused.append((donor, reason))
+
+
+def test_a_next_step_that_a_dominated_group_computed_is_refused_against_the_swarms_reference(make_config):
+    """docs/design.md §7: a member refused its group's average (colluders were the group's majority); the colluders
+    then serve the step they computed as the step after ours. It recomputes and passes a reducer result's loose
+    checks, but not the swarm's reference norm, which the learner asks its link for."""
+    learner = _learner_with_local_progress(make_config)
+    learner.end_round(FailingLink(-1, None))  # outer step 0 failed on our side: our outer gradient is unconfirmed
+    pending = learner.unconfirmed
+    assert pending is not None
+    sent = [segment.of(learner.global_params) - snap for segment, snap in zip(pending.segments, pending.snapshot)]
+    sent_norm = math.sqrt(sum(float(piece.norm()) ** 2 for piece in sent))
+    pushed = [piece * 40 for piece in sent]  # the colluders' pushed average: 40x our outer gradient
+    params, momentum = snapshot(learner.global_params), snapshot(learner.outer.momentum_buffers)
+    optimizer = OuterOptimizer(params, learner.config.outer)
+    optimizer.load_state(momentum, learner.outer.steps_taken)
+    optimizer.step(pushed, pending.segments)
+    state = SwarmState(1, params, optimizer.momentum_buffers, 1, 0, state_sha256(params, optimizer.momentum_buffers),
+                       donor="colluder", parent_sha256=learner.global_sha256,
+                       last_average=[p.view(g.shape) for p, g in zip(pushed, learner.global_params)], how="next")
+    ours = learner.global_sha256
+
+    refusing = NextStepLink(state, reference=sent_norm)  # the swarm's outer gradients are the size of ours
+    assert learner.catch_up(refusing) is False
+    assert learner.global_sha256 == ours and learner.outer_step == 0
+    assert [donor for donor, _ in refusing.refused] == ["colluder"]
+    assert "swarm's check of a group average" in refusing.refused[0][1]
+
+    trusting = NextStepLink(state, reference=None)  # no reference known: a reducer result's checks only (40x < 100x)
+    assert learner.catch_up(trusting) is True
+    assert learner.global_sha256 == state.global_sha256 and learner.outer_step == 1 and not trusting.refused

@@ -68,6 +68,7 @@ def test_the_reference_needs_half_the_swarm_is_at_least_our_own_norm_and_ignores
 
 def test_the_link_refuses_a_dominated_groups_average_and_keeps_the_ratio_of_an_accepted_one():
     link = SimpleNamespace(_fragments=2)
+    link._reference = lambda live, fragment, own: SwarmLink._reference(link, live, fragment, own)
     honest = {f"h{i}": {"outer_norms": [1.0, 2.0]} for i in range(2)}
     colluders = {f"c{i}": {"outer_norms": [500.0, 500.0]} for i in range(2)}
     live = {**honest, **colluders}

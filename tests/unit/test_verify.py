@@ -74,6 +74,14 @@ def test_a_next_step_is_taken_only_if_it_recomputes_and_its_average_is_plausible
     huge = [piece * 1e5 for piece in honest]
     assert "checks of a reducer's result" in next_step_problem(_next_state(params, momentum, huge, 7, 7, own_sha, segments),
                                                                 averaged=huge, **check)
+    # a group that colluders dominated: its average passes a reducer result's checks (under 100x what we sent) but is
+    # 40x the swarm's reference norm, the step its honest member refused; served as the next step, refused again
+    pushed = [piece * 40 for piece in sent]
+    dominated = _next_state(params, momentum, pushed, 7, 7, own_sha, segments)
+    reference = float(torch.cat(sent).norm())
+    assert next_step_problem(dominated, averaged=pushed, **check) is None  # no reference known: the old checks only
+    assert "swarm's check of a group average" in next_step_problem(dominated, averaged=pushed, reference=reference, **check)
+    assert next_step_problem(state, averaged=honest, reference=reference, **check) is None
     # made from another state than ours, or with no average at all
     assert "no average made from our state" in next_step_problem(
         _next_state(params, momentum, honest, 7, 7, "0" * 64, segments), averaged=honest, **check)
