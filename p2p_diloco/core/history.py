@@ -22,7 +22,9 @@ for a majority. The rules, in order (``Target.how``):
   if it recomputes that step from its own state and the average the donor serves, and that average passes the
   checks of a reducer's result against what this peer sent (docs/design.md §7).
 - ``fork``: the same step as ours on other bytes, vouched for by as many peers as ours or more: the better-vouched
-  bytes, a tie going to the smallest sha256, so both sides of a fork pick the same.
+  bytes, a tie going to the smallest sha256, so both sides of a fork pick the same. A tie is returned as ``tie``:
+  a hostile side can grind its sha256 to win it, so the learner takes it only if its state lies within what an
+  honest group could have made from the parent both sides share (verify.tie_problem).
 
 A read of the records may miss some (a joiner's first pushes, a DHT answer from part of the swarm): live peers
 seen a moment ago that a read lacks count as peers at our head that vouch for nothing past it (``unseen``), so that
@@ -51,7 +53,7 @@ class Target:
 
     step: int
     sha256: str
-    how: str  # "majority", "fresh", "next" or "fork"
+    how: str  # "majority", "fresh", "next", "fork" or "tie" (a fork whose sides are vouched for alike)
 
     @property
     def node(self) -> Node:
@@ -158,8 +160,9 @@ def choose_target(
     if rivals:
         best = max([*rivals, head], key=lambda node: (support.get(node, 0) + (node == head) * (1 + unseen),
                                                       _smaller(node[1])))
-        if best != head:
-            return Target(*best, "fork")
+        if best != head:  # as many vouching for both: the smaller sha256 decided, which a hostile side can grind for
+            tie = support.get(best, 0) == support.get(head, 0) + 1 + unseen
+            return Target(*best, "tie" if tie else "fork")
     return None
 
 

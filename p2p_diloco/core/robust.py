@@ -311,6 +311,7 @@ def swarm_reference(own_norm: float, published: Sequence[object], others: int) -
              if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0]
     if not norms or 2 * len(norms) < others:
         return None
+    own_norm = own_norm if math.isfinite(own_norm) and own_norm >= 0 else 0.0  # ours broken: the others' word only
     values = sorted([*norms, own_norm])
     return max(own_norm, values[len(values) // 2])
 

@@ -4,6 +4,10 @@
 - ``state_problem``: every tensor of the shapes and dtype this model has, params and momentum finite, the momentum
   bounded (10 times the params' norm, far above any honest momentum: an outer step adds at most a few times an
   outer gradient to it), counters that agree with the outer step, a well-formed round history and chain.
+- ``tie_problem``: a same-step fork decided by the smaller sha256 alone (as many vouch for each side: a hostile side
+  can grind its hash to win) is taken only if its state lies within what another honest group could have made from
+  the parent both sides share: its momentum within ``swarm_norm_ratio`` reference norms of ours, its params within
+  outer lr (1 + momentum) times that.
 - ``verified_state``: a downloaded state, whole and hashing to what the swarm vouches for, or why not.
 - ``next_step_problem``: a state one step past ours that no majority vouches for (a swarm of two) is taken only if
   our own state plus the average its donor serves gives exactly its bytes (the portable arithmetic makes this a
@@ -89,6 +93,32 @@ def next_step_problem(
         return f"its average fails the checks of a reducer's result: {problem}"
     problem = swarm_problem(float(flat.norm()), reference, policy)
     return f"its average fails the swarm's check of a group average: {problem}" if problem else None
+
+
+def tie_problem(
+    params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], own_params: Sequence[torch.Tensor],
+    own_momentum: Sequence[torch.Tensor], reference: float | None, outer: OuterConfig, policy: RobustPolicy | None = None,
+) -> str | None:
+    """Why a fork won on a tie must not be taken: two steps from one parent differ by the difference of their
+    averages, dg (momentum: dg; params: lr (1 + momentum) dg, docs/design.md §2), and an honest group's average is at
+    most ``swarm_norm_ratio`` times ``reference`` (an honest outer-gradient norm: the average that made our head).
+    None (taken) within that, or with no reference. Forks that split several steps ago lie further apart and stay
+    apart on a tie, as equal halves of a partition do (§4)."""
+    if reference is None or not reference > 0:
+        return None
+    policy = policy or RobustPolicy()
+    limit = policy.swarm_norm_ratio * reference
+    momentum_apart = _distance(momentum, own_momentum)
+    params_apart = _distance(params, own_params)
+    params_limit = outer.lr * (1 + outer.momentum) * limit
+    if momentum_apart > limit or params_apart > params_limit:
+        return (f"it lies {params_apart:.3g} from our params (limit {params_limit:.3g}) and {momentum_apart:.3g} from our "
+                f"momentum (limit {limit:.3g}): more than one honest round from the parent we share")
+    return None
+
+
+def _distance(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(sum(float((a.double() - b.double().to(a.device)).square().sum()) for a, b in zip(tensors, others, strict=True)))
 
 
 def verified_state(

@@ -23,7 +23,7 @@ import torch
 
 from p2p_diloco.core.history import CHAIN
 from p2p_diloco.core.link import AveragingOutcome, Link, SwarmState
-from p2p_diloco.core.verify import next_step_problem
+from p2p_diloco.core.verify import next_step_problem, tie_problem
 
 if TYPE_CHECKING:
     from p2p_diloco.train.learner import Learner, PendingAveraging
@@ -42,6 +42,8 @@ def catch_up(learner: Learner, link: Link) -> bool:
         return False
     if target.how == "next" and (learner.unconfirmed is None or learner.unconfirmed.outer_step != learner.outer_step):
         return False  # nothing of ours to check the donor's average against: wait for a majority
+    if target.how == "tie" and target.sha256 in learner.refused_ties:
+        return False  # refused before (said once): not downloaded again every round
     if target.step == learner.outer_step:
         _note_arithmetic_mismatch(learner, link)
     started = time.monotonic()
@@ -55,6 +57,16 @@ def catch_up(learner: Learner, link: Link) -> bool:
         if problem is not None:
             logger.warning("refused the next step served by %s: %s", state.donor, problem)
             link.refuse_donor(state.donor, problem)
+            return False
+    if state.how == "tie":  # won on the smaller sha256 alone, which a hostile side can grind for
+        problem = _tie_problem(learner, state, link)
+        if problem is not None:
+            if state.global_sha256 not in learner.refused_ties:
+                logger.warning("kept our outer step %d over the fork %s at the same step, vouched for alike: %s",
+                               learner.outer_step, state.global_sha256[:12], problem)
+            if len(learner.refused_ties) >= 256:
+                learner.refused_ties.clear()
+            learner.refused_ties.add(state.global_sha256)
             return False
     before = learner.outer_step
     # other bytes at our step, a history most of the swarm holds, or (a state ahead) a donor's history that holds other
@@ -89,6 +101,17 @@ def _next_step_problem(learner: Learner, state: SwarmState, link: Link) -> str |
     return next_step_problem(state, learner.outer_step, learner.global_params, learner.outer.momentum_buffers,
                              learner.outer.steps_taken, learner.global_sha256, learner.config.outer, pending.segments,
                              averaged, sent, reference=link.norm_reference(learner.outer_step, own_norm))
+
+
+def _tie_problem(learner: Learner, state: SwarmState, link: Link) -> str | None:
+    """Why we must not take ``state``, a same-step fork won on a tie (verify.tie_problem): our reference is the norm of
+    the average that made our head, or, without one (a state we downloaded), the swarm's reference norm."""
+    if learner.last_average is not None:
+        reference: float | None = math.sqrt(sum(float(t.float().norm()) ** 2 for t in learner.last_average))
+    else:
+        reference = link.norm_reference(max(0, learner.outer_step - 1), 0.0)
+    return tie_problem(state.global_params, state.momentum, learner.global_params, learner.outer.momentum_buffers,
+                       reference, learner.config.outer)
 
 
 def _take_state(learner: Learner, state: SwarmState, peer_id: str) -> None:

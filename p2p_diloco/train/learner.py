@@ -121,6 +121,7 @@ class Learner:
         # outer steps this peer's own group made whose bytes came out other here than on its groupmates: the same
         # averaged bytes applied to the same state, so this machine's arithmetic differs (docs/design.md §5)
         self.arithmetic_mismatches: list[int] = []
+        self.refused_ties: set[str] = set()  # same-step forks won on a tie that lay too far from us (catch_up.py)
         self.resumed_from: str | None = None
         self.peer_id = "?"
         self.pending: PendingAveraging | None = None

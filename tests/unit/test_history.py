@@ -116,12 +116,15 @@ def test_a_same_step_fork_goes_to_the_better_vouched_bytes_then_the_smaller_hash
     left, right = [*base, (7, sha("left"))], [*base, (7, sha("right"))]
     smaller, larger = sorted([left, right], key=lambda chain: chain[-1][1])
     assert choose_target(view({"b": larger}), smaller, fresh=False, own_id="a") is None
-    assert choose_target(view({"b": smaller}), larger, fresh=False, own_id="a") == Target(*smaller[-1], "fork")
+    assert choose_target(view({"b": smaller}), larger, fresh=False, own_id="a") == Target(*smaller[-1], "tie")
     records = view({"b": left, "c": left, "d": left})
     assert choose_target(records, right, fresh=False, own_id="e") == Target(*left[-1], "majority")
     records = view({"b": left, "c": left, "d": right})  # two against two: the smaller hash, on both sides
     assert {choose_target(records, right, fresh=False, own_id="e"), choose_target(view({"b": left, "d": right, "e": right}),
-            left, fresh=False, own_id="c")} - {None} == {Target(*smaller[-1], "fork")}
+            left, fresh=False, own_id="c")} - {None} == {Target(*smaller[-1], "tie")}
+    # the better-vouched side of a fork is a plain fork, not a tie: three against our two
+    records = view({"b": left, "c": left, "d": left, "f": right})
+    assert choose_target(records, right, fresh=False, own_id="e") in (Target(*left[-1], "majority"), Target(*left[-1], "fork"))
 
 
 def test_a_peer_one_step_ahead_of_everyone_keeps_its_head():

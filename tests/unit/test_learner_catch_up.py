@@ -303,3 +303,45 @@ def test_a_next_step_that_a_dominated_group_computed_is_refused_against_the_swar
     trusting = NextStepLink(state, reference=None)  # no reference known: a reducer result's checks only (40x < 100x)
     assert learner.catch_up(trusting) is True
     assert learner.global_sha256 == state.global_sha256 and learner.outer_step == 1 and not trusting.refused
+
+
+class TieLink(AheadLink):
+    """A swarm in which ``state`` is a fork at our own step that as many peers vouch for as for ours, and whose
+    smaller sha256 wins the tie (history.py: "tie")."""
+
+    def swarm_target(self, chain: Sequence[Node], fresh: bool) -> Target | None:
+        return Target(self.state.outer_step, self.state.global_sha256, "tie") if chain[-1][1] != self.state.global_sha256 else None
+
+    def download_state(self, shapes: Sequence[Sequence[int]], target: Target) -> SwarmState | None:
+        self.downloads += 1
+        return SwarmState(**{**self.state.__dict__, "how": target.how})
+
+
+def test_a_fork_won_on_a_tie_is_taken_only_within_one_honest_round_and_a_refused_one_is_not_fetched_again(make_config):
+    """docs/design.md §7: two colluders made outer step 1 on their own, two honest peers made theirs; as many vouch for
+    each, and the colluders ground their sha256 to be the smaller. Their step lies far from ours (a pushed average):
+    kept ours, said once, not downloaded again. Another honest group's step from the same parent is taken."""
+    learner = _learner_with_local_progress(make_config)
+    parent_params, parent_momentum = snapshot(learner.global_params), snapshot(learner.outer.momentum_buffers)
+    learner.end_round(AheadLink(-1, None))  # a group of one: outer step 0 -> 1 with our own average
+    assert learner.outer_step == 1 and learner.last_average is not None
+    ours = learner.global_sha256
+
+    def fork(scale: float, seed: int) -> SwarmState:
+        generator = torch.Generator().manual_seed(seed)
+        average = [a * scale + 0.1 * a.abs().mean() * torch.randn(a.shape, generator=generator) for a in learner.last_average]
+        params, momentum = [p.clone() for p in parent_params], [m.clone() for m in parent_momentum]
+        optimizer = OuterOptimizer(params, learner.config.outer)
+        optimizer.load_state(momentum, 0)
+        optimizer.step(average)
+        return SwarmState(1, params, optimizer.momentum_buffers, 1, 0, state_sha256(params, optimizer.momentum_buffers),
+                          donor="other-side")
+
+    pushed = TieLink(1, fork(40.0, 1))
+    assert learner.catch_up(pushed) is False and learner.catch_up(pushed) is False
+    assert pushed.downloads == 1  # refused once, then left alone
+    assert learner.global_sha256 == ours and pushed.state.global_sha256 in learner.refused_ties
+
+    honest = TieLink(1, fork(1.0, 2))
+    assert learner.catch_up(honest) is True
+    assert learner.global_sha256 == honest.state.global_sha256 and learner.forks_healed == 1

@@ -61,6 +61,7 @@ def test_the_reference_needs_half_the_swarm_is_at_least_our_own_norm_and_ignores
     assert swarm_reference(1.0, hostile, 7) is None  # none of these is a norm
     assert swarm_reference(1.0, [*hostile, 2.0, 2.0, 2.0, 2.0], 11) is None  # four of eleven: too few
     assert swarm_reference(1.0, [*hostile[:6], *[2.0] * 6], 12) == 2.0  # half of twelve
+    assert swarm_reference(math.nan, [2.0, 3.0], 2) == 3.0  # a non-finite own norm counts as none
     assert swarm_problem(59.0, 10.0, POLICY) is None
     assert swarm_problem(61.0, 10.0, POLICY) is not None
     assert swarm_problem(1e9, None, POLICY) is None  # no reference: no check

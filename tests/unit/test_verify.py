@@ -11,7 +11,7 @@ from p2p_diloco.core.history import Target
 from p2p_diloco.core.link import SwarmState
 from p2p_diloco.core.outer import OuterOptimizer, Segment, state_sha256
 from p2p_diloco.core.portable import seeded_normal
-from p2p_diloco.core.verify import next_step_problem, state_problem, verified_state
+from p2p_diloco.core.verify import next_step_problem, state_problem, tie_problem, verified_state
 
 SHAPES = [(6, 4), (5,)]
 
@@ -121,3 +121,30 @@ def test_an_average_of_other_shapes_leaves_the_state_but_no_next_step_to_recompu
     metadata, tensors, target = _served([torch.ones(4, 6), torch.ones(5)])
     state = verified_state(metadata, tensors, SHAPES, SHAPES, "d", target)
     assert isinstance(state, SwarmState) and state.last_average is None
+
+
+def test_a_fork_won_on_a_tie_is_taken_only_within_one_honest_round_of_ours():
+    """verify.tie_problem: two steps from one parent differ by their averages' difference dg (momentum dg, params
+    lr (1 + momentum) dg); an honest group's average is at most swarm_norm_ratio reference norms."""
+    params, momentum = _tensors("p"), _tensors("m", 0.01)
+    segments = [Segment(0, 0, 24), Segment(1, 0, 5)]
+    ours_avg = [piece.reshape(-1) for piece in _tensors("ours", 0.01)]
+    theirs_avg = [piece.reshape(-1) for piece in _tensors("theirs", 0.01)]
+    reference = float(torch.cat(ours_avg).norm())
+
+    def step(average):
+        new_params, new_momentum = [p.clone() for p in params], [m.clone() for m in momentum]
+        optimizer = OuterOptimizer(new_params, OuterConfig())
+        optimizer.load_state(new_momentum, 7)
+        optimizer.step(average, segments)
+        return new_params, optimizer.momentum_buffers
+
+    own_params, own_momentum = step(ours_avg)
+    honest_params, honest_momentum = step(theirs_avg)  # another honest group's step from the same parent
+    assert tie_problem(honest_params, honest_momentum, own_params, own_momentum, reference, OuterConfig()) is None
+    pushed_params, pushed_momentum = step([piece * 40 for piece in theirs_avg])  # colluders' pushed step
+    problem = tie_problem(pushed_params, pushed_momentum, own_params, own_momentum, reference, OuterConfig())
+    assert problem is not None and "more than one honest round" in problem
+    # params alone moved (momentum left as ours): refused all the same
+    assert tie_problem(pushed_params, own_momentum, own_params, own_momentum, reference, OuterConfig()) is not None
+    assert tie_problem(pushed_params, pushed_momentum, own_params, own_momentum, None, OuterConfig()) is None  # no bound
