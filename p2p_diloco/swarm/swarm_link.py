@@ -15,6 +15,7 @@ import math
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -38,6 +39,11 @@ from p2p_diloco.swarm.progress import ProgressBeacon, ProgressReader
 from p2p_diloco.swarm.wire import WireCodec, part_norms_of, part_values_for
 
 logger = logging.getLogger(__name__)
+# a peer publishes the largest norm of its last this many outer gradients per fragment: a round that began just after
+# a catch-up holds a step or two (honest weights in one group differed 30x, their norms as much), and a reference
+# taken from such rounds refused honest averages 7-9x its size
+NORM_WINDOW = 8
+NORM_MIN_ROUNDS = 3  # ... and says nothing before it sent that many: a run's first rounds are the most uneven
 
 
 class SwarmLink:
@@ -62,6 +68,7 @@ class SwarmLink:
         self.peer_id = self.dht.peer_id.to_base58()
         self._progress_key = f"{config.run_id}.progress"
         self._fragments = fragments
+        self._sent_norms = [deque(maxlen=NORM_WINDOW) for _ in range(fragments)]  # our recent outer gradients' norms
         self._template_shapes = [tuple(t.shape) for t in template]  # what one averaging carries (a served average too)
         logger.info(membership.describe())
         self.codec = make_codec(config.compression)
@@ -274,14 +281,18 @@ class SwarmLink:
         return outcome
 
     def _publish_norm(self, fragment: int, norm: float) -> None:
-        """Say the norm of the outer gradient we send for ``fragment`` in our progress record (``outer_norms``, one per
-        fragment): the others' reference for a group average (robust.swarm_reference)."""
+        """Say in our progress record (``outer_norms``, one per fragment) the largest norm of the last ``NORM_WINDOW``
+        outer gradients we sent for ``fragment``, once we sent ``NORM_MIN_ROUNDS``: the others' reference for a group
+        average (robust.swarm_reference)."""
+        if math.isfinite(norm):
+            self._sent_norms[fragment].append(float(norm))
         beacon = self._beacon
         if beacon is None:
             return
         norms = beacon.own_record().get("outer_norms")
         norms = list(norms) if isinstance(norms, list) and len(norms) == self._fragments else [None] * self._fragments
-        norms[fragment] = float(norm)
+        sent = self._sent_norms[fragment]
+        norms[fragment] = max(sent) if len(sent) >= NORM_MIN_ROUNDS else None
         beacon.update(outer_norms=norms)
 
     def _checked_against_swarm(self, outcome: AveragingOutcome, live: dict[str, dict], fragment: int, own_norm: float,
@@ -313,7 +324,7 @@ class SwarmLink:
             norms = record.get("outer_norms")
             if isinstance(norms, list) and len(norms) == self._fragments:
                 published.append(norms[fragment])
-        return swarm_reference(own_norm, published, len(live))
+        return swarm_reference(max([own_norm, *self._sent_norms[fragment]]), published, len(live))
 
     def _base(self) -> str | None:
         """The sha256 of the state our outer gradient was measured from: the one we last published."""
