@@ -5,7 +5,10 @@ loop reads like the algorithm: the loop calls ``catch_up`` at a round's end and 
 - a state ahead of ours, or other bytes at our step (a fork), or a history most of the swarm holds, is downloaded
   verified by the link (core/verify.py ``state_problem`` and its sha256);
 - a next step that no majority backs (a swarm of two) is taken only if this peer recomputes it from its own state and
-  the average its donor serves, and that average passes a reducer result's checks (``next_step_problem``);
+  the average its donor serves, and that average passes a reducer result's checks and the swarm's reference norm
+  (``next_step_problem``);
+- a fork won on a tie (the smaller sha256, which a hostile side can grind for) is taken only within one honest round
+  of our state (``tie_problem``); one refused is said once and not downloaded again;
 - a fork at a step this peer's own group made is said in one line (its arithmetic differs: docs/design.md §5), whether
   the swarm is still at that step or, by the downloaded state's history, has moved on;
 - a failed averaging that the swarm applied after all (the donor's round history names us) is not counted twice.
