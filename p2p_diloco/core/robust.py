@@ -300,6 +300,11 @@ def result_problem(
     return None
 
 
+def total_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of several tensors taken as one vector."""
+    return math.sqrt(sum(float(t.detach().float().norm()) ** 2 for t in tensors))
+
+
 def swarm_reference(own_norm: float, published: Sequence[object], others: int) -> float | None:
     """The norm a group's average is measured against when its members may be mostly adversaries (docs/design.md §7):
     the upper median of the outer-gradient norms that the ``others`` live peers published for this fragment, with

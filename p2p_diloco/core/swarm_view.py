@@ -4,6 +4,8 @@ decisions out, with no DHT and no averager (swarm/swarm_link.py feeds them and c
 - ``SwarmView``: whom this peer counts (live, unbanned, unshunned), the weight limits their published progress
   supports, the round as the records show it (``round_view``), the state to take (``target``: history.py) and the
   claims and donors it bans for (docs/design.md §4, §7).
+- ``OuterNorms``: the norms of this peer's recent outer gradients, what it publishes of them, and the swarm's
+  reference norm a group's average is held to (docs/design.md §7).
 - ``ProgressPace``: how often this peer publishes and reads records: fast near a round's end, while averaging, at
   start and after a peer joined; idle otherwise.
 
@@ -12,14 +14,23 @@ A record is anyone's word: every number is checked (``well_formed``) and every d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 from p2p_diloco.core import history
-from p2p_diloco.core.link import RoundView
-from p2p_diloco.core.robust import TokenLedger, banned_by_majority
+from p2p_diloco.core.link import AveragingOutcome, RoundView
+from p2p_diloco.core.robust import (
+    RobustPolicy,
+    TokenLedger,
+    banned_by_majority,
+    swarm_problem,
+    swarm_reference,
+    total_norm,
+)
 
 logger = logging.getLogger(__name__)
 NEAR_PERIODS = 3  # within this many idle periods of a round's end (or of a change), progress records go fast
@@ -27,6 +38,11 @@ CLAIMS_TO_BAN = 3  # checks at which a peer may be found making an unbacked clai
 MEMORY_PERIODS = 2  # idle periods for which a peer a read showed live counts as unseen, not gone, when a read lacks it
 BAD_STATES_TO_BAN = 2  # states a donor may serve that do not verify before it is banned
 PLAN_FIELDS = frozenset({"round_budget", "round_deadline"})  # what ends a peer's round; read by the others' pace
+# a peer publishes the largest norm of its last this many outer gradients per fragment: a round that began just after
+# a catch-up holds a step or two (honest weights in one group differed 30x, their norms as much), and a reference
+# taken from such rounds refused honest averages 7-9x its size
+NORM_WINDOW = 8
+NORM_MIN_ROUNDS = 3  # ... and says nothing before it sent that many: a run's first rounds are the most uneven
 _NUMERIC_FIELDS = ("round", "outer_step", "round_tokens", "round_budget", "rate", "time", "period", "round_deadline")
 
 
@@ -179,6 +195,49 @@ class SwarmView:
         if peer not in self.history_banned:
             logger.warning("banning %s: %s", peer, why)
             self.history_banned = self.history_banned | {peer}
+
+
+class OuterNorms:
+    """This peer's recent outer-gradient norms per fragment (``outer_norms`` in its progress record: the largest of
+    the last ``NORM_WINDOW``, once it sent ``NORM_MIN_ROUNDS``), and the check of a group's whole average against the
+    swarm's reference norm (robust.swarm_reference): the bound that holds when adversaries are a majority of the
+    group but not of the swarm (docs/design.md §7)."""
+
+    def __init__(self, fragments: int = 1):
+        self.fragments = fragments
+        self._sent = [deque(maxlen=NORM_WINDOW) for _ in range(fragments)]
+
+    def sent(self, fragment: int, norm: float) -> None:
+        if math.isfinite(norm):
+            self._sent[fragment].append(float(norm))
+
+    def published(self) -> list[float | None]:
+        """What this peer says of its norms, one entry per fragment (None: not yet)."""
+        return [max(sent) if len(sent) >= NORM_MIN_ROUNDS else None for sent in self._sent]
+
+    def reference(self, live: Mapping[str, dict], fragment: int, own_norm: float) -> float | None:
+        """The swarm's reference norm for ``fragment`` from the live peers' records, ours (this round's, or our
+        recent largest) among them."""
+        published = []
+        for record in live.values():
+            norms = record.get("outer_norms")
+            if isinstance(norms, list) and len(norms) == self.fragments:
+                published.append(norms[fragment])
+        return swarm_reference(max([own_norm, *self._sent[fragment]]), published, len(live))
+
+    def checked(self, outcome: AveragingOutcome, live: Mapping[str, dict], fragment: int, own_norm: float,
+                policy: RobustPolicy) -> AveragingOutcome:
+        """``outcome`` with the ratio of its average to the reference noted, or, over the limit, a failed round:
+        our tensors keep their values, as for a bad part."""
+        assert outcome.averaged is not None
+        reference = self.reference(live, fragment, own_norm)
+        result_norm = total_norm(outcome.averaged)
+        ratio = round(result_norm / reference, 4) if reference else None
+        problem = swarm_problem(result_norm, reference, policy)
+        if problem is None:
+            return dataclasses.replace(outcome, norm_ratio=ratio)
+        logger.warning("refused the average of group %s: %s", ", ".join(outcome.peers), problem)
+        return AveragingOutcome(None, outcome.peers, 0.0, "error", problem, outcome.rejected, ratio)
 
 
 class ProgressPace:

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -26,8 +24,8 @@ from p2p_diloco.core import history
 from p2p_diloco.core.compression import FEEDBACK_CODECS, ErrorFeedback, ReducerFeedback, make_codec
 from p2p_diloco.core.config import SwarmConfig
 from p2p_diloco.core.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
-from p2p_diloco.core.robust import RobustPolicy, swarm_problem, swarm_reference
-from p2p_diloco.core.swarm_view import ProgressPace, SwarmView
+from p2p_diloco.core.robust import total_norm
+from p2p_diloco.core.swarm_view import OuterNorms, ProgressPace, SwarmView
 from p2p_diloco.core.verify import verified_state
 from p2p_diloco.swarm.averaging import run_averaging
 from p2p_diloco.swarm.guarded import GuardedAllReduceRunner, GuardedAverager
@@ -39,11 +37,6 @@ from p2p_diloco.swarm.progress import ProgressBeacon, ProgressReader
 from p2p_diloco.swarm.wire import WireCodec, part_norms_of, part_values_for
 
 logger = logging.getLogger(__name__)
-# a peer publishes the largest norm of its last this many outer gradients per fragment: a round that began just after
-# a catch-up holds a step or two (honest weights in one group differed 30x, their norms as much), and a reference
-# taken from such rounds refused honest averages 7-9x its size
-NORM_WINDOW = 8
-NORM_MIN_ROUNDS = 3  # ... and says nothing before it sent that many: a run's first rounds are the most uneven
 
 
 class SwarmLink:
@@ -68,7 +61,7 @@ class SwarmLink:
         self.peer_id = self.dht.peer_id.to_base58()
         self._progress_key = f"{config.run_id}.progress"
         self._fragments = fragments
-        self._sent_norms = [deque(maxlen=NORM_WINDOW) for _ in range(fragments)]  # our recent outer gradients' norms
+        self._norms = OuterNorms(fragments)  # our recent outer gradients' norms, and the swarm's reference (§7)
         self._template_shapes = [tuple(t.shape) for t in template]  # what one averaging carries (a served average too)
         logger.info(membership.describe())
         self.codec = make_codec(config.compression)
@@ -259,8 +252,10 @@ class SwarmLink:
         except CALL_FAILED as e:  # the averager process is gone or stuck: run_averaging reports it
             logger.debug("could not pass the weight limits to the averager: %r", e)
         base = self._base()
-        fragment, own_norm = outer_step % self._fragments, _norm(tensors)
-        self._publish_norm(fragment, own_norm)
+        fragment, own_norm = outer_step % self._fragments, total_norm(tensors)
+        self._norms.sent(fragment, own_norm)
+        if self._beacon is not None:  # the others' reference for a group average
+            self._beacon.update(outer_norms=self._norms.published())
         outcome = run_averaging(
             averager, tensors, weight, outer_step, self.config.averaging_timeout_s, 1 + len(live),
             lambda: self._moved_past(outer_step), base=str(base) if base else None,
@@ -277,38 +272,8 @@ class SwarmLink:
         if rejected:
             outcome = dataclasses.replace(outcome, rejected=rejected)
         if outcome.averaged is not None and len(outcome.peers) > 1:
-            outcome = self._checked_against_swarm(outcome, live, fragment, own_norm, averager.policy)
+            outcome = self._norms.checked(outcome, live, fragment, own_norm, averager.policy)
         return outcome
-
-    def _publish_norm(self, fragment: int, norm: float) -> None:
-        """Say in our progress record (``outer_norms``, one per fragment) the largest norm of the last ``NORM_WINDOW``
-        outer gradients we sent for ``fragment``, once we sent ``NORM_MIN_ROUNDS``: the others' reference for a group
-        average (robust.swarm_reference)."""
-        if math.isfinite(norm):
-            self._sent_norms[fragment].append(float(norm))
-        beacon = self._beacon
-        if beacon is None:
-            return
-        norms = beacon.own_record().get("outer_norms")
-        norms = list(norms) if isinstance(norms, list) and len(norms) == self._fragments else [None] * self._fragments
-        sent = self._sent_norms[fragment]
-        norms[fragment] = max(sent) if len(sent) >= NORM_MIN_ROUNDS else None
-        beacon.update(outer_norms=norms)
-
-    def _checked_against_swarm(self, outcome: AveragingOutcome, live: dict[str, dict], fragment: int, own_norm: float,
-                               policy: RobustPolicy) -> AveragingOutcome:
-        """Refuse a group average far larger than the swarm's outer gradients (docs/design.md §7): the check that
-        holds when adversaries are a majority of our group. Refused, the round fails for us and our tensors keep
-        their values, as for a bad part."""
-        reference = self._reference(live, fragment, own_norm)
-        assert outcome.averaged is not None
-        result_norm = _norm(outcome.averaged)
-        ratio = round(result_norm / reference, 4) if reference else None
-        problem = swarm_problem(result_norm, reference, policy)
-        if problem is None:
-            return dataclasses.replace(outcome, norm_ratio=ratio)
-        logger.warning("refused the average of group %s: %s", ", ".join(outcome.peers), problem)
-        return AveragingOutcome(None, outcome.peers, 0.0, "error", problem, outcome.rejected, ratio)
 
     def norm_reference(self, outer_step: int, own_norm: float) -> float | None:
         """The swarm's reference norm for ``outer_step``'s fragment, as of the beacon's last read, with ``own_norm``
@@ -316,15 +281,7 @@ class SwarmLink:
         beacon = self._beacon
         if beacon is None:
             return None
-        return self._reference(self.view.live(dict(beacon.peers)), outer_step % self._fragments, own_norm)
-
-    def _reference(self, live: dict[str, dict], fragment: int, own_norm: float) -> float | None:
-        published = []
-        for record in live.values():
-            norms = record.get("outer_norms")
-            if isinstance(norms, list) and len(norms) == self._fragments:
-                published.append(norms[fragment])
-        return swarm_reference(max([own_norm, *self._sent_norms[fragment]]), published, len(live))
+        return self._norms.reference(self.view.live(dict(beacon.peers)), outer_step % self._fragments, own_norm)
 
     def _base(self) -> str | None:
         """The sha256 of the state our outer gradient was measured from: the one we last published."""
@@ -438,8 +395,3 @@ class SwarmLink:
         if self.dht is not None:
             close_dht(self.dht)
             self.dht = None
-
-
-def _norm(tensors: Sequence[torch.Tensor]) -> float:
-    """The L2 norm of several tensors taken as one vector."""
-    return math.sqrt(sum(float(t.detach().float().norm()) ** 2 for t in tensors))

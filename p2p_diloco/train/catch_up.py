@@ -17,7 +17,6 @@ loop reads like the algorithm: the loop calls ``catch_up`` at a round's end and 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -26,6 +25,7 @@ import torch
 
 from p2p_diloco.core.history import CHAIN
 from p2p_diloco.core.link import AveragingOutcome, Link, SwarmState
+from p2p_diloco.core.robust import total_norm
 from p2p_diloco.core.verify import next_step_problem, tie_problem
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ def _next_step_problem(learner: Learner, state: SwarmState, link: Link) -> str |
     assert pending is not None
     sent = [segment.of(learner.global_params) - snapshot.cpu() for segment, snapshot in zip(pending.segments, pending.snapshot)]
     averaged = learner.fragments.unpack(state.last_average, pending.segments) if state.last_average is not None else None
-    own_norm = math.sqrt(sum(float(piece.float().norm()) ** 2 for piece in sent))
+    own_norm = total_norm(sent)
     return next_step_problem(state, learner.outer_step, learner.global_params, learner.outer.momentum_buffers,
                              learner.outer.steps_taken, learner.global_sha256, learner.config.outer, pending.segments,
                              averaged, sent, reference=link.norm_reference(learner.outer_step, own_norm))
@@ -110,7 +110,7 @@ def _tie_problem(learner: Learner, state: SwarmState, link: Link) -> str | None:
     """Why we must not take ``state``, a same-step fork won on a tie (verify.tie_problem): our reference is the norm of
     the average that made our head, or, without one (a state we downloaded), the swarm's reference norm."""
     if learner.last_average is not None:
-        reference: float | None = math.sqrt(sum(float(t.float().norm()) ** 2 for t in learner.last_average))
+        reference: float | None = total_norm(learner.last_average)
     else:
         reference = link.norm_reference(max(0, learner.outer_step - 1), 0.0)
     return tie_problem(state.global_params, state.momentum, learner.global_params, learner.outer.momentum_buffers,

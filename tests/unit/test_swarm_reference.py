@@ -5,15 +5,13 @@ published outer-gradient norms, most of them honest, still refuse their average,
 from __future__ import annotations
 
 import math
-from collections import deque
-from types import SimpleNamespace
 
 import torch
 
 from p2p_diloco.core.link import AveragingOutcome
 from p2p_diloco.core.portable import seeded_normal
 from p2p_diloco.core.robust import RobustPolicy, result_problem, robust_average, swarm_problem, swarm_reference
-from p2p_diloco.swarm.swarm_link import NORM_MIN_ROUNDS, NORM_WINDOW, SwarmLink
+from p2p_diloco.core.swarm_view import NORM_MIN_ROUNDS, NORM_WINDOW, OuterNorms
 
 SHAPE = torch.Size([4096])
 POLICY = RobustPolicy()
@@ -68,53 +66,40 @@ def test_the_reference_needs_half_the_swarm_is_at_least_our_own_norm_and_ignores
     assert swarm_problem(1e9, None, POLICY) is None  # no reference: no check
 
 
-def test_the_link_refuses_a_dominated_groups_average_and_keeps_the_ratio_of_an_accepted_one():
-    link = SimpleNamespace(_fragments=2, _sent_norms=[deque(), deque()])
-    link._reference = lambda live, fragment, own: SwarmLink._reference(link, live, fragment, own)
+def test_a_dominated_groups_average_is_refused_and_an_accepted_one_keeps_its_ratio():
+    norms = OuterNorms(fragments=2)
     honest = {f"h{i}": {"outer_norms": [1.0, 2.0]} for i in range(2)}
     colluders = {f"c{i}": {"outer_norms": [500.0, 500.0]} for i in range(2)}
     live = {**honest, **colluders}
     outcome = AveragingOutcome([torch.full((4,), 30.0)], ("us", "c0", "c1"), 3.0, "ok")  # norm 60 against fragment 1's 2
-    refused = SwarmLink._checked_against_swarm(link, outcome, live, 1, 2.0, POLICY)
+    refused = norms.checked(outcome, live, 1, 2.0, POLICY)
     assert refused.averaged is None and refused.status == "error" and refused.norm_ratio == 30.0
     assert "swarm's reference norm" in refused.reason
-    accepted = SwarmLink._checked_against_swarm(link, outcome, live, 1, 20.0, POLICY)  # we are the large one
+    accepted = norms.checked(outcome, live, 1, 20.0, POLICY)  # we are the large one
     assert accepted.averaged is not None and accepted.norm_ratio == 3.0
     # records of another fragment count (a peer with other --fragments) are not a reference
     other = {peer: {"outer_norms": [1.0]} for peer in live}
-    assert SwarmLink._checked_against_swarm(link, outcome, other, 1, 2.0, POLICY).norm_ratio is None
-
-
-class _Beacon:
-    def __init__(self):
-        self.record: dict = {}
-
-    def own_record(self) -> dict:
-        return dict(self.record)
-
-    def update(self, **fields) -> None:
-        self.record.update(fields)
+    assert norms.checked(outcome, other, 1, 2.0, POLICY).norm_ratio is None
 
 
 def test_a_peer_publishes_its_recent_largest_norm_and_counts_it_in_its_own_reference():
     """A round begun just after a catch-up holds a step or two: its outer gradient is tiny. Published alone, such
     norms made the reference tiny and honest averages of a heavier groupmate were refused (7-9x); each peer publishes
     the largest of its last NORM_WINDOW norms per fragment instead."""
-    link = SimpleNamespace(_fragments=2, _sent_norms=[deque(maxlen=NORM_WINDOW), deque(maxlen=NORM_WINDOW)],
-                           _beacon=_Beacon())
-    SwarmLink._publish_norm(link, 0, 3.0)
-    SwarmLink._publish_norm(link, 0, 0.1)  # a round of one step after a catch-up
-    SwarmLink._publish_norm(link, 1, 2.0)
-    assert link._beacon.record["outer_norms"] == [None, None]  # a run's first rounds: nothing said yet
+    norms = OuterNorms(fragments=2)
+    norms.sent(0, 3.0)
+    norms.sent(0, 0.1)  # a round of one step after a catch-up
+    norms.sent(1, 2.0)
+    assert norms.published() == [None, None]  # a run's first rounds: nothing said yet
     for _ in range(NORM_MIN_ROUNDS - 1):
-        SwarmLink._publish_norm(link, 1, 2.0)
-    SwarmLink._publish_norm(link, 0, 0.1)
-    assert link._beacon.record["outer_norms"] == [3.0, 2.0]
-    SwarmLink._publish_norm(link, 0, math.nan)  # never published
-    assert link._beacon.record["outer_norms"] == [3.0, 2.0]
+        norms.sent(1, 2.0)
+    norms.sent(0, 0.1)
+    assert norms.published() == [3.0, 2.0]
+    norms.sent(0, math.nan)  # never published
+    assert norms.published() == [3.0, 2.0]
     for _ in range(NORM_WINDOW):
-        SwarmLink._publish_norm(link, 0, 0.5)
-    assert link._beacon.record["outer_norms"] == [0.5, 2.0]  # the window moved on
+        norms.sent(0, 0.5)
+    assert norms.published() == [0.5, 2.0]  # the window moved on
     # our own tiny norm of this round does not make the reference tiny: our recent largest counts
     live = {"a": {"outer_norms": [0.2, 0.2]}, "b": {"outer_norms": [0.2, 0.2]}}
-    assert SwarmLink._reference(link, live, 1, 0.01) == 2.0
+    assert norms.reference(live, 1, 0.01) == 2.0
