@@ -83,7 +83,7 @@ class Link(Protocol):
 
     def refuse_donor(self, donor: str, reason: str) -> None: ...
 
-    def norm_reference(self, outer_step: int, own_norm: float) -> float | None: ...
+    def norm_reference(self, outer_step: int, own_norm: float, own_tokens: float = 0.0) -> float | None: ...
 
     def publish(self, **fields: object) -> None: ...
 
@@ -120,7 +120,7 @@ class ImmediateAveraging:
     def refuse_donor(self, donor: str, reason: str) -> None:
         pass
 
-    def norm_reference(self, outer_step: int, own_norm: float) -> float | None:
+    def norm_reference(self, outer_step: int, own_norm: float, own_tokens: float = 0.0) -> float | None:
         return None
 
 

@@ -321,12 +321,31 @@ def swarm_reference(own_norm: float, published: Sequence[object], others: int) -
     return max(own_norm, values[len(values) // 2])
 
 
-def swarm_problem(result_norm: float, reference: float | None, policy: RobustPolicy) -> str | None:
-    """Why a group's whole average must not be applied, judged against the swarm's reference norm, or None."""
+def own_reference(own_norm: float, own_tokens: float, published_tokens: Sequence[object], policy: RobustPolicy,
+                  typical_tokens: float = 0.0) -> float | None:
+    """The reference before the swarm published norms (a run's first rounds, docs/design.md §7): our own outer
+    gradient's norm, scaled from the ``own_tokens`` behind it to a round's typical tokens, by at least 1 and at most
+    ``result_weight_scale_cap``. Typical: the larger of ``typical_tokens`` (our own config's share of the round's
+    budget) and the upper median of the tokens the live peers published for the round (``published_tokens``, ours
+    among them; they lag a record period behind). An honest norm grows no faster than the tokens behind it, and with
+    honest peers a majority of the live peers both are an honest peer's tokens, so the result is an honest peer's
+    scale whatever a group's members declare. None without an outer gradient of ours to measure from."""
+    if not (math.isfinite(own_norm) and own_norm > 0 and math.isfinite(own_tokens) and own_tokens > 0):
+        return None
+    tokens = sorted([float(own_tokens), *(float(t) for t in published_tokens if isinstance(t, int | float)
+                                         and not isinstance(t, bool) and math.isfinite(t) and t >= 0)])
+    typical = max(tokens[len(tokens) // 2], typical_tokens if math.isfinite(typical_tokens) else 0.0)
+    return own_norm * min(policy.result_weight_scale_cap, max(1.0, typical / own_tokens))
+
+
+def swarm_problem(result_norm: float, reference: float | None, policy: RobustPolicy,
+                  what: str = "the swarm's reference norm") -> str | None:
+    """Why a group's whole average must not be applied, judged against ``reference`` (the swarm's reference norm,
+    or ``own_reference``), or None."""
     if reference is None or reference <= 0 or result_norm <= policy.swarm_norm_ratio * reference:
         return None
-    return (f"the group's average (norm {result_norm:.3g}) is {result_norm / reference:.1f}x the swarm's reference "
-            f"norm ({reference:.3g}; limit {policy.swarm_norm_ratio:g}x)")
+    return (f"the group's average (norm {result_norm:.3g}) is {result_norm / reference:.1f}x {what} "
+            f"({reference:.3g}; limit {policy.swarm_norm_ratio:g}x)")
 
 
 def result_excess(result: torch.Tensor, sent: torch.Tensor, policy: RobustPolicy, weight_ratio: float = 1.0) -> float:

@@ -27,6 +27,7 @@ from p2p_diloco.core.robust import (
     RobustPolicy,
     TokenLedger,
     banned_by_majority,
+    own_reference,
     swarm_problem,
     swarm_reference,
     total_norm,
@@ -197,11 +198,22 @@ class SwarmView:
             self.history_banned = self.history_banned | {peer}
 
 
+def typical_tokens(own_record: Mapping, fragments: int, others: int) -> float:
+    """A round's tokens per peer by our own config: the round's budget we published (``round_budget``, per fragment;
+    train/rounds.py) over all fragments, shared among us and the ``others`` live peers; 0 while none is published.
+    What an outer gradient weighs when every peer trains at the same speed (robust.own_reference)."""
+    budget = own_record.get("round_budget")
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or not math.isfinite(budget) or budget < 0:
+        return 0.0
+    return float(budget) * fragments / (1 + others)
+
+
 class OuterNorms:
     """This peer's recent outer-gradient norms per fragment (``outer_norms`` in its progress record: the largest of
     the last ``NORM_WINDOW``, once it sent ``NORM_MIN_ROUNDS``), and the check of a group's whole average against the
     swarm's reference norm (robust.swarm_reference): the bound that holds when adversaries are a majority of the
-    group but not of the swarm (docs/design.md §7)."""
+    group but not of the swarm (docs/design.md §7). Before the swarm published norms (a run's first rounds), the
+    reference is our own norm scaled to the tokens the swarm published for the round (robust.own_reference)."""
 
     def __init__(self, fragments: int = 1):
         self.fragments = fragments
@@ -215,25 +227,40 @@ class OuterNorms:
         """What this peer says of its norms, one entry per fragment (None: not yet)."""
         return [max(sent) if len(sent) >= NORM_MIN_ROUNDS else None for sent in self._sent]
 
-    def reference(self, live: Mapping[str, dict], fragment: int, own_norm: float) -> float | None:
-        """The swarm's reference norm for ``fragment`` from the live peers' records, ours (this round's, or our
-        recent largest) among them."""
+    def reference(self, live: Mapping[str, dict], fragment: int, own_norm: float, own_tokens: float = 0.0,
+                  tokens: Mapping[str, float] | None = None, policy: RobustPolicy | None = None,
+                  typical_tokens: float = 0.0) -> float | None:
+        """The reference norm for ``fragment``: the swarm's, from the live peers' records, ours (this round's, or our
+        recent largest) among them; or, while fewer than half of them published one, ``own_norm`` scaled from
+        ``own_tokens`` to a round's typical tokens (robust.own_reference; ``tokens``: what each peer published for
+        the round)."""
+        return self._reference(live, fragment, own_norm, own_tokens, tokens, policy or RobustPolicy(), typical_tokens)[0]
+
+    def _reference(self, live: Mapping[str, dict], fragment: int, own_norm: float, own_tokens: float,
+                   tokens: Mapping[str, float] | None, policy: RobustPolicy,
+                   typical_tokens: float = 0.0) -> tuple[float | None, str]:
         published = []
         for record in live.values():
             norms = record.get("outer_norms")
             if isinstance(norms, list) and len(norms) == self.fragments:
                 published.append(norms[fragment])
-        return swarm_reference(max([own_norm, *self._sent[fragment]]), published, len(live))
+        reference = swarm_reference(max([own_norm, *self._sent[fragment]]), published, len(live))
+        if reference is not None:
+            return reference, "the swarm's reference norm"
+        theirs = [tokens[peer] for peer in live if peer in tokens] if tokens else []
+        return (own_reference(own_norm, own_tokens, theirs, policy, typical_tokens),
+                "our own norm scaled to a round's typical tokens")
 
     def checked(self, outcome: AveragingOutcome, live: Mapping[str, dict], fragment: int, own_norm: float,
-                policy: RobustPolicy) -> AveragingOutcome:
+                policy: RobustPolicy, own_tokens: float = 0.0, tokens: Mapping[str, float] | None = None,
+                typical_tokens: float = 0.0) -> AveragingOutcome:
         """``outcome`` with the ratio of its average to the reference noted, or, over the limit, a failed round:
         our tensors keep their values, as for a bad part."""
         assert outcome.averaged is not None
-        reference = self.reference(live, fragment, own_norm)
+        reference, what = self._reference(live, fragment, own_norm, own_tokens, tokens, policy, typical_tokens)
         result_norm = total_norm(outcome.averaged)
         ratio = round(result_norm / reference, 4) if reference else None
-        problem = swarm_problem(result_norm, reference, policy)
+        problem = swarm_problem(result_norm, reference, policy, what)
         if problem is None:
             return dataclasses.replace(outcome, norm_ratio=ratio)
         logger.warning("refused the average of group %s: %s", ", ".join(outcome.peers), problem)

@@ -25,7 +25,7 @@ from p2p_diloco.core.compression import FEEDBACK_CODECS, ErrorFeedback, ReducerF
 from p2p_diloco.core.config import SwarmConfig
 from p2p_diloco.core.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
 from p2p_diloco.core.robust import total_norm
-from p2p_diloco.core.swarm_view import OuterNorms, ProgressPace, SwarmView
+from p2p_diloco.core.swarm_view import OuterNorms, ProgressPace, SwarmView, typical_tokens
 from p2p_diloco.core.verify import verified_state
 from p2p_diloco.swarm.averaging import run_averaging
 from p2p_diloco.swarm.guarded import GuardedAllReduceRunner, GuardedAverager
@@ -245,10 +245,10 @@ class SwarmLink:
         rejected comes back in the outcome."""
         averager = self._averager  # close() may clear the attribute meanwhile (a SIGTERM while we average)
         assert averager is not None
+        allowed = self.view.ledger.allowed(outer_step, rounds=2 * self._fragments)
         try:
             averager.take_rejections()  # left over from an abandoned attempt
-            averager.set_allowed_weights(self.view.ledger.allowed(outer_step, rounds=2 * self._fragments),
-                                         self.view.shunned | self.view.history_banned)
+            averager.set_allowed_weights(allowed, self.view.shunned | self.view.history_banned)
         except CALL_FAILED as e:  # the averager process is gone or stuck: run_averaging reports it
             logger.debug("could not pass the weight limits to the averager: %r", e)
         base = self._base()
@@ -272,16 +272,23 @@ class SwarmLink:
         if rejected:
             outcome = dataclasses.replace(outcome, rejected=rejected)
         if outcome.averaged is not None and len(outcome.peers) > 1:
-            outcome = self._norms.checked(outcome, live, fragment, own_norm, averager.policy)
+            outcome = self._norms.checked(outcome, live, fragment, own_norm, averager.policy, weight, allowed,
+                                          self._typical_tokens(len(live)))
         return outcome
 
-    def norm_reference(self, outer_step: int, own_norm: float) -> float | None:
-        """The swarm's reference norm for ``outer_step``'s fragment, as of the beacon's last read, with ``own_norm``
-        ours (robust.swarm_reference): what a next step served to us is checked against (catch_up.py)."""
+    def norm_reference(self, outer_step: int, own_norm: float, own_tokens: float = 0.0) -> float | None:
+        """The reference norm for ``outer_step``'s fragment, as of the beacon's last read, with ``own_norm`` ours from
+        ``own_tokens`` (OuterNorms.reference): what a next step served to us is checked against (catch_up.py)."""
         beacon = self._beacon
         if beacon is None:
             return None
-        return self._norms.reference(self.view.live(dict(beacon.peers)), outer_step % self._fragments, own_norm)
+        live = self.view.live(dict(beacon.peers))
+        return self._norms.reference(live, outer_step % self._fragments, own_norm, own_tokens,
+                                     self.view.ledger.allowed(outer_step, rounds=2 * self._fragments),
+                                     typical_tokens=self._typical_tokens(len(live)))
+
+    def _typical_tokens(self, others: int) -> float:
+        return typical_tokens(self._beacon.own_record() if self._beacon is not None else {}, self._fragments, others)
 
     def _base(self) -> str | None:
         """The sha256 of the state our outer gradient was measured from: the one we last published."""

@@ -103,7 +103,7 @@ def _next_step_problem(learner: Learner, state: SwarmState, link: Link) -> str |
     own_norm = total_norm(sent)
     return next_step_problem(state, learner.outer_step, learner.global_params, learner.outer.momentum_buffers,
                              learner.outer.steps_taken, learner.global_sha256, learner.config.outer, pending.segments,
-                             averaged, sent, reference=link.norm_reference(learner.outer_step, own_norm))
+                             averaged, sent, reference=link.norm_reference(learner.outer_step, own_norm, pending.weight))
 
 
 def _tie_problem(learner: Learner, state: SwarmState, link: Link) -> str | None:

@@ -262,12 +262,13 @@ class NextStepLink(AheadLink):
 
     def __init__(self, state: SwarmState, reference: float | None):
         super().__init__(state.outer_step, state)
-        self.reference, self.refused = reference, []
+        self.reference, self.refused, self.asked = reference, [], []
 
     def swarm_target(self, chain: Sequence[Node], fresh: bool) -> Target | None:
         return Target(self.state.outer_step, self.state.global_sha256, "next") if chain[-1][0] < self.swarm_step else None
 
-    def norm_reference(self, outer_step: int, own_norm: float) -> float | None:
+    def norm_reference(self, outer_step: int, own_norm: float, own_tokens: float = 0.0) -> float | None:
+        self.asked.append((outer_step, own_norm, own_tokens))
         return self.reference
 
     def refuse_donor(self, donor: str, reason: str) -> None:
@@ -299,6 +300,9 @@ def test_a_next_step_that_a_dominated_group_computed_is_refused_against_the_swar
     assert learner.global_sha256 == ours and learner.outer_step == 0
     assert [donor for donor, _ in refusing.refused] == ["colluder"]
     assert "swarm's check of a group average" in refusing.refused[0][1]
+    # asked for our step, with our outer gradient and the tokens behind it (before the swarm published norms, the
+    # reference is that norm scaled to the swarm's tokens: robust.own_reference)
+    assert refusing.asked == [(0, sent_norm, pending.weight)] and pending.weight > 0
 
     trusting = NextStepLink(state, reference=None)  # no reference known: a reducer result's checks only (40x < 100x)
     assert learner.catch_up(trusting) is True

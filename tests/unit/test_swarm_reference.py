@@ -10,8 +10,15 @@ import torch
 
 from p2p_diloco.core.link import AveragingOutcome
 from p2p_diloco.core.portable import seeded_normal
-from p2p_diloco.core.robust import RobustPolicy, result_problem, robust_average, swarm_problem, swarm_reference
-from p2p_diloco.core.swarm_view import NORM_MIN_ROUNDS, NORM_WINDOW, OuterNorms
+from p2p_diloco.core.robust import (
+    RobustPolicy,
+    own_reference,
+    result_problem,
+    robust_average,
+    swarm_problem,
+    swarm_reference,
+)
+from p2p_diloco.core.swarm_view import NORM_MIN_ROUNDS, NORM_WINDOW, OuterNorms, typical_tokens
 
 SHAPE = torch.Size([4096])
 POLICY = RobustPolicy()
@@ -103,3 +110,54 @@ def test_a_peer_publishes_its_recent_largest_norm_and_counts_it_in_its_own_refer
     # our own tiny norm of this round does not make the reference tiny: our recent largest counts
     live = {"a": {"outer_norms": [0.2, 0.2]}, "b": {"outer_norms": [0.2, 0.2]}}
     assert norms.reference(live, 1, 0.01) == 2.0
+
+
+def test_before_the_swarm_published_norms_our_own_norm_scaled_to_the_swarms_tokens_is_the_reference():
+    """A run's first rounds (docs/design.md §7): no peer published a norm yet, and two colluders were half of a group
+    of four, so the group's centre and every check of the group were theirs (a rerun of the attack table diverged
+    that way). Our own outer gradient, scaled to the tokens the live peers published for the round, refuses it."""
+    own = _honest(0)
+    push = _pushed(90, own)
+    parts = [own, _honest(1), push, push.clone()]
+    result, _, left_out = robust_average(parts, [1000.0] * 4, [None] * 4, SHAPE, POLICY, own=0)
+    assert not left_out and float(result.norm()) > 30 * float(own.norm())  # half pushed: the centre moves with them
+    assert result_problem(result, own, POLICY, 1.0, [float(p.norm()) for p in parts]) is None
+    live = {peer: {} for peer in ("h1", "h2", "c0", "c1")}  # nothing published: no swarm reference
+    norms = OuterNorms()
+    assert norms.reference(live, 0, float(own.norm())) is None  # without our tokens: no check, as before
+    for theirs in (1000.0, 1e12):  # the colluders publish their tokens honestly, or a billion times more
+        tokens = {"h1": 1000.0, "h2": 1000.0, "c0": theirs, "c1": theirs}
+        outcome = AveragingOutcome([result], ("us", "h1", "c0", "c1"), 4000.0, "ok")
+        refused = norms.checked(outcome, live, 0, float(own.norm()), POLICY, 1000.0, tokens)
+        assert refused.averaged is None and refused.status == "error" and refused.norm_ratio > 30
+        assert "our own norm scaled to a round's typical tokens" in refused.reason
+    # an honest group in which a peer trained 4x our tokens passes
+    tokens = {"h1": 4000.0, "h2": 1000.0, "c0": 1000.0, "c1": 1000.0}
+    calm, _, _ = robust_average([own, _honest(1) * 4, _honest(2), _honest(3)], [1000.0, 4000.0, 1000.0, 1000.0],
+                                [None] * 4, SHAPE, POLICY, own=0)
+    accepted = norms.checked(AveragingOutcome([calm], ("us", "h1", "h2", "h3"), 7000.0, "ok"), live, 0,
+                             float(own.norm()), POLICY, 1000.0, tokens)
+    assert accepted.averaged is not None and accepted.norm_ratio < 2
+
+
+def test_our_own_reference_follows_the_swarms_typical_tokens_within_the_cap():
+    assert own_reference(2.0, 100.0, [100.0, 100.0], POLICY) == 2.0
+    # a round of one step after a catch-up: a tiny norm, scaled to the tokens the others trained
+    assert own_reference(0.1, 512.0, [15360.0, 15360.0], POLICY) == 0.1 * 30
+    assert own_reference(0.1, 512.0, [1e9, 1e9, 1e9], POLICY) == 0.1 * POLICY.result_weight_scale_cap
+    assert own_reference(5.0, 7000.0, [1000.0, 1000.0], POLICY) == 5.0  # never below our own norm
+    # a minority publishing huge (or hostile) token counts does not move the upper median
+    assert own_reference(1.0, 1000.0, [1000.0, 1000.0, 1e12, math.inf, math.nan, -5.0, True, "9"], POLICY) == 1.0
+    assert own_reference(1.0, 1000.0, [1000.0, 1e12, 1e12], POLICY) == 30.0  # a majority can (the stated limit)
+    # records lag a period: our config's share of the round's budget counts when the published tokens are behind
+    assert own_reference(0.1, 512.0, [512.0, 0.0, 0.0], POLICY, typical_tokens=5120.0) == 0.1 * 10
+    assert own_reference(1.0, 1000.0, [1000.0], POLICY, typical_tokens=math.inf) == 1.0
+    for norm, tokens in ((0.0, 1000.0), (1.0, 0.0), (math.nan, 1000.0), (1.0, math.inf)):
+        assert own_reference(norm, tokens, [1000.0], POLICY) is None  # nothing of ours to measure from
+
+
+def test_a_rounds_typical_tokens_come_from_our_own_published_budget():
+    assert typical_tokens({"round_budget": 15360}, 1, 2) == 5120.0  # three peers share the round
+    assert typical_tokens({"round_budget": 2560}, 2, 3) == 1280.0  # a fragment's budget, over both fragments
+    for record in ({}, {"round_budget": None}, {"round_budget": math.nan}, {"round_budget": True}, {"round_budget": -1}):
+        assert typical_tokens(record, 1, 2) == 0.0
