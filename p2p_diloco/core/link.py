@@ -29,7 +29,8 @@ class AveragingOutcome:
     reason: str = ""
     # (peer id, why) for every groupmate whose contribution or result this peer rejected, or whose weight it clamped
     rejected: tuple[tuple[str, str], ...] = ()
-    # the group's average's norm over the swarm's reference norm (robust.swarm_reference); None where none was known
+    # the group's average's norm over the reference norm (the swarm's, or before it published norms our own scaled to a
+    # round's tokens: swarm_view.OuterNorms); None where none was known
     norm_ratio: float | None = None
 
 

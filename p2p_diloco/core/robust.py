@@ -321,21 +321,22 @@ def swarm_reference(own_norm: float, published: Sequence[object], others: int) -
     return max(own_norm, values[len(values) // 2])
 
 
-def own_reference(own_norm: float, own_tokens: float, published_tokens: Sequence[object], policy: RobustPolicy,
+def own_reference(own_norm: float, own_tokens: float, published_tokens: Sequence[object],
                   typical_tokens: float = 0.0) -> float | None:
     """The reference before the swarm published norms (a run's first rounds, docs/design.md §7): our own outer
-    gradient's norm, scaled from the ``own_tokens`` behind it to a round's typical tokens, by at least 1 and at most
-    ``result_weight_scale_cap``. Typical: the larger of ``typical_tokens`` (our own config's share of the round's
-    budget) and the upper median of the tokens the live peers published for the round (``published_tokens``, ours
-    among them; they lag a record period behind). An honest norm grows no faster than the tokens behind it, and with
-    honest peers a majority of the live peers both are an honest peer's tokens, so the result is an honest peer's
+    gradient's norm, scaled from the ``own_tokens`` behind it to a round's typical tokens when those are more (never
+    scaled down). Typical: the larger of ``typical_tokens`` (our own config's share of the round's budget) and the
+    upper median of the tokens the live peers published for the rounds our outer gradient stands for
+    (``published_tokens``, ours among them; records lag a period behind). An honest norm grows no faster than the
+    tokens behind it (AdamW moves each value by about the lr per step at most, its first steps the most), and with
+    honest peers a majority of the live peers both figures are an honest peer's, so the result is an honest peer's
     scale whatever a group's members declare. None without an outer gradient of ours to measure from."""
     if not (math.isfinite(own_norm) and own_norm > 0 and math.isfinite(own_tokens) and own_tokens > 0):
         return None
     tokens = sorted([float(own_tokens), *(float(t) for t in published_tokens if isinstance(t, int | float)
                                          and not isinstance(t, bool) and math.isfinite(t) and t >= 0)])
     typical = max(tokens[len(tokens) // 2], typical_tokens if math.isfinite(typical_tokens) else 0.0)
-    return own_norm * min(policy.result_weight_scale_cap, max(1.0, typical / own_tokens))
+    return own_norm * max(1.0, typical / own_tokens)
 
 
 def swarm_problem(result_norm: float, reference: float | None, policy: RobustPolicy,
@@ -358,6 +359,9 @@ def _result_limit(policy: RobustPolicy, weight_ratio: float) -> float:
     return policy.result_norm_ratio * min(policy.result_weight_scale_cap, max(1.0, weight_ratio))
 
 
+MAX_ROUND_TOKENS = 2**53  # more tokens than any round holds, and exact as a float
+
+
 class TokenLedger:
     """The most tokens each peer has published for each round (from its progress records), to bound the weight it
     may declare in that round's averaging. Round r's tokens are those behind the averaging of outer step r."""
@@ -370,9 +374,10 @@ class TokenLedger:
     def observe(self, peer: str, round_index: object, tokens: int) -> None:
         if not (isinstance(round_index, int) and round_index >= 0):
             return
+        tokens = min(int(tokens), MAX_ROUND_TOKENS)  # a hostile 1e308 must not overflow a float in allowed()
         with self._lock:
             rounds = self._seen.setdefault(peer, {})
-            rounds[round_index] = max(rounds.get(round_index, 0), int(tokens))
+            rounds[round_index] = max(rounds.get(round_index, 0), tokens)
             for old in sorted(rounds)[: -self._keep_rounds]:
                 del rounds[old]
 

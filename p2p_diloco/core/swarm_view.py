@@ -228,17 +228,15 @@ class OuterNorms:
         return [max(sent) if len(sent) >= NORM_MIN_ROUNDS else None for sent in self._sent]
 
     def reference(self, live: Mapping[str, dict], fragment: int, own_norm: float, own_tokens: float = 0.0,
-                  tokens: Mapping[str, float] | None = None, policy: RobustPolicy | None = None,
-                  typical_tokens: float = 0.0) -> float | None:
+                  tokens: Mapping[str, float] | None = None, typical_tokens: float = 0.0) -> float | None:
         """The reference norm for ``fragment``: the swarm's, from the live peers' records, ours (this round's, or our
         recent largest) among them; or, while fewer than half of them published one, ``own_norm`` scaled from
-        ``own_tokens`` to a round's typical tokens (robust.own_reference; ``tokens``: what each peer published for
-        the round)."""
-        return self._reference(live, fragment, own_norm, own_tokens, tokens, policy or RobustPolicy(), typical_tokens)[0]
+        ``own_tokens`` to a round's typical tokens (robust.own_reference; ``tokens``: per peer, what it published for
+        the rounds our outer gradient stands for; ``typical_tokens``: our config's share of the round's budget)."""
+        return self._reference(live, fragment, own_norm, own_tokens, tokens, typical_tokens)[0]
 
     def _reference(self, live: Mapping[str, dict], fragment: int, own_norm: float, own_tokens: float,
-                   tokens: Mapping[str, float] | None, policy: RobustPolicy,
-                   typical_tokens: float = 0.0) -> tuple[float | None, str]:
+                   tokens: Mapping[str, float] | None, typical_tokens: float) -> tuple[float | None, str]:
         published = []
         for record in live.values():
             norms = record.get("outer_norms")
@@ -248,8 +246,7 @@ class OuterNorms:
         if reference is not None:
             return reference, "the swarm's reference norm"
         theirs = [tokens[peer] for peer in live if peer in tokens] if tokens else []
-        return (own_reference(own_norm, own_tokens, theirs, policy, typical_tokens),
-                "our own norm scaled to a round's typical tokens")
+        return own_reference(own_norm, own_tokens, theirs, typical_tokens), "our own norm scaled to a round's typical tokens"
 
     def checked(self, outcome: AveragingOutcome, live: Mapping[str, dict], fragment: int, own_norm: float,
                 policy: RobustPolicy, own_tokens: float = 0.0, tokens: Mapping[str, float] | None = None,
@@ -257,7 +254,7 @@ class OuterNorms:
         """``outcome`` with the ratio of its average to the reference noted, or, over the limit, a failed round:
         our tensors keep their values, as for a bad part."""
         assert outcome.averaged is not None
-        reference, what = self._reference(live, fragment, own_norm, own_tokens, tokens, policy, typical_tokens)
+        reference, what = self._reference(live, fragment, own_norm, own_tokens, tokens, typical_tokens)
         result_norm = total_norm(outcome.averaged)
         ratio = round(result_norm / reference, 4) if reference else None
         problem = swarm_problem(result_norm, reference, policy, what)

@@ -72,9 +72,9 @@ def next_step_problem(
     """Why ``state`` is not the step after ours: ``averaged``, the donor's average as one 1-D piece per segment of
     the fragment that step averaged, applied to our params and momentum, must give its sha256; and it must pass a
     reducer result's checks against ``sent``, the outer gradient we sent for that step (one piece per segment), and
-    a group average's against ``reference``, the swarm's reference norm for that step (robust.swarm_reference; a
-    group that colluders dominated computed a step that its honest member refused: served as the next step, it
-    must be refused again)."""
+    a group average's against ``reference``, the reference norm for that step (the swarm's, or in a run's first
+    rounds our own scaled to a round's tokens: swarm_view.OuterNorms; a group that colluders dominated computed a
+    step that its honest member refused: served as the next step, it must be refused again)."""
     if state.outer_step != own_step + 1 or averaged is None or state.parent_sha256 != own_sha256:
         return "it serves no average made from our state"
     params, buffers = [p.clone() for p in global_params], [m.clone() for m in momentum]

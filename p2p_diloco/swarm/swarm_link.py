@@ -272,7 +272,9 @@ class SwarmLink:
         if rejected:
             outcome = dataclasses.replace(outcome, rejected=rejected)
         if outcome.averaged is not None and len(outcome.peers) > 1:
-            outcome = self._norms.checked(outcome, live, fragment, own_norm, averager.policy, weight, allowed,
+            # the rounds our weight stands for (Rounds.weight), not the two that bound a declared weight
+            round_tokens = self.view.ledger.allowed(outer_step, rounds=self._fragments)
+            outcome = self._norms.checked(outcome, live, fragment, own_norm, averager.policy, weight, round_tokens,
                                           self._typical_tokens(len(live)))
         return outcome
 
@@ -284,7 +286,7 @@ class SwarmLink:
             return None
         live = self.view.live(dict(beacon.peers))
         return self._norms.reference(live, outer_step % self._fragments, own_norm, own_tokens,
-                                     self.view.ledger.allowed(outer_step, rounds=2 * self._fragments),
+                                     self.view.ledger.allowed(outer_step, rounds=self._fragments),
                                      typical_tokens=self._typical_tokens(len(live)))
 
     def _typical_tokens(self, others: int) -> float:

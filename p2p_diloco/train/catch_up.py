@@ -5,8 +5,8 @@ loop reads like the algorithm: the loop calls ``catch_up`` at a round's end and 
 - a state ahead of ours, or other bytes at our step (a fork), or a history most of the swarm holds, is downloaded
   verified by the link (core/verify.py ``state_problem`` and its sha256);
 - a next step that no majority backs (a swarm of two) is taken only if this peer recomputes it from its own state and
-  the average its donor serves, and that average passes a reducer result's checks and the swarm's reference norm
-  (``next_step_problem``);
+  the average its donor serves, and that average passes a reducer result's checks and the reference norm (the
+  swarm's, or in a run's first rounds our own scaled to a round's tokens: ``next_step_problem``);
 - a fork won on a tie (the smaller sha256, which a hostile side can grind for) is taken only within one honest round
   of our state (``tie_problem``); one refused is said once and not downloaded again;
 - a fork at a step this peer's own group made is said in one line (its arithmetic differs: docs/design.md §5), whether
@@ -95,7 +95,8 @@ def catch_up(learner: Learner, link: Link) -> bool:
 def _next_step_problem(learner: Learner, state: SwarmState, link: Link) -> str | None:
     """Why we cannot take ``state`` as the step after ours: recomputed from our own state and the average its donor
     serves, it must give its bytes, and that average must pass a reducer result's checks against the outer
-    gradient we sent for that step, and a group average's against the swarm's reference norm (verify.py)."""
+    gradient we sent for that step, and a group average's against the reference norm (verify.py), which the link
+    takes from the swarm's published norms or, before there are any, from ours and the tokens behind it."""
     pending = learner.unconfirmed
     assert pending is not None
     sent = [segment.of(learner.global_params) - snapshot.cpu() for segment, snapshot in zip(pending.segments, pending.snapshot)]

@@ -136,7 +136,7 @@ def write_record(
         progress_tokens=pending.tokens_behind if pending else 0,  # the tokens of progress it holds (more after failed rounds)
         weight_total=outcome.weight_total,
         weight_share=round(weight / outcome.weight_total, 4) if outcome.weight_total else None,
-        norm_ratio=outcome.norm_ratio,  # the group's average over the swarm's reference norm (docs/design.md §7)
+        norm_ratio=outcome.norm_ratio,  # the group's average over the reference norm (docs/design.md §7)
         bytes_sent=int(traffic[0]) if traffic else 0,
         bytes_received=int(traffic[1]) if traffic else 0,
         bytes_sent_total=int(sent_total),  # averaging messages since the process started
