@@ -25,6 +25,10 @@ for a majority. The rules, in order (``Target.how``):
   bytes, a tie going to the smallest sha256, so both sides of a fork pick the same. A tie is returned as ``tie``:
   a hostile side can grind its sha256 to win it, so the learner takes it only if its state lies within what an
   honest group could have made from the parent both sides share (verify.tie_problem).
+- ``tie`` (sides of a split): no head at our step on other bytes, but a side that differs from ours at an earlier
+  step, with a common parent in both chains, vouched for there by as many peers as our side: the same rule at the
+  step where the sides differ, so both sides pick the same (a round split into two groups of two, one of which
+  averaged again before the tie was seen). Its best-vouched, then furthest head is taken as a tie, checked alike.
 
 A read of the records may miss some (a joiner's first pushes, a DHT answer from part of the swarm): live peers
 seen a moment ago that a read lacks count as peers at our head that vouch for nothing past it (``unseen``), so that
@@ -34,8 +38,9 @@ A peer whose head no majority vouches for and that lies three or more steps past
 vouches for makes an *unbacked claim* (``unbacked_claims``): it moves nobody, is said once, and a peer that keeps
 making them is banned (swarm/swarm_link.py). Nor
 does it make an honest peer's search for a group stale (``moved_past``). Known limit: a swarm cut into two equal
-halves, each on its own history, stays cut until one side has a majority (a peer joins or leaves), and a fresh
-peer between them waits.
+halves that lie more than one honest round apart (a partition that lasted) stays cut until one side has a majority
+(a peer joins or leaves): the tie between them is offered, and refused by the learner's check; a fresh peer
+between them waits.
 """
 
 from __future__ import annotations
@@ -163,7 +168,33 @@ def choose_target(
         if best != head:  # as many vouching for both: the smaller sha256 decided, which a hostile side can grind for
             tie = support.get(best, 0) == support.get(head, 0) + 1 + unseen
             return Target(*best, "tie" if tie else "fork")
-    return None
+        return None  # heads at our step decide, on both sides alike: the rule below must not contradict them
+    split = _split_tie(own, others, support, unseen)
+    return Target(*split, "tie") if split is not None else None
+
+
+def _split_tie(own: Sequence[Node], others: Mapping[str, Sequence[Node]], support: Mapping[Node, int],
+               unseen: int) -> Node | None:
+    """The head to take when the swarm split into two sides vouched for alike and one side already carried on past
+    the step where they differ (a round that split into two groups of two, one of which averaged again before the
+    tie was seen): the rule of a same-step fork applied at that step, so both sides pick the same. The side whose
+    bytes at the first step they differ have the smaller sha256 wins, if as many peers vouch for each side's node
+    there (this one, and the unseen, on our side); its best-vouched, then furthest head is taken, as a tie (the
+    learner checks it: verify.tie_problem). Only sides with a common parent in both chains; None otherwise."""
+    mine = dict(own)
+    best: tuple[tuple[int, int, int], Node] | None = None
+    for chain in others.values():
+        split_at = next((node for node in chain if node[0] in mine and mine[node[0]] != node[1]), None)
+        if split_at is None or (split_at[0] - 1, mine.get(split_at[0] - 1)) not in chain:
+            continue
+        ours = (split_at[0], mine[split_at[0]])
+        if support.get(split_at, 0) != 1 + unseen + support.get(ours, 0) or int(split_at[1], 16) >= int(ours[1], 16):
+            continue
+        head = chain[-1]
+        key = (support.get(head, 0), head[0], _smaller(head[1]))
+        if best is None or key > best[0]:
+            best = (key, head)
+    return best[1] if best is not None else None
 
 
 def _fresh_choice(heads: set[Node], support: Mapping[Node, int], others: Mapping[str, Sequence[Node]],

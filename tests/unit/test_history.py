@@ -106,9 +106,15 @@ def test_a_partition_merges_onto_the_larger_side_even_at_a_lower_step():
     decisions = {peer: choose_target(records, chain, fresh=False, own_id=peer) for peer, chain in peers.items()}
     assert decisions == {"a1": None, "a2": None, "a3": None, "b1": Target(10, sha("a10"), "majority"),
                          "b2": Target(10, sha("a10"), "majority")}
-    halves = {"a1": large, "a2": large, "b1": small, "b2": small}  # no majority: both halves keep their own
+    halves = {"a1": large, "a2": large, "b1": small, "b2": small}  # no majority: the tie at the step they split
     records = view(halves)
-    assert all(choose_target(records, chain, fresh=False, own_id=peer) is None for peer, chain in halves.items())
+    decisions = {peer: choose_target(records, chain, fresh=False, own_id=peer) for peer, chain in halves.items()}
+    winner, loser = ("a", "b") if sha("a9") < sha("b9") else ("b", "a")
+    head = (large if winner == "a" else small)[-1]
+    # the losing half is offered the winner's head as a tie, which the learner takes only within one honest round
+    # of its own state (verify.tie_problem): halves that split five steps ago stay apart
+    assert decisions == {f"{winner}1": None, f"{winner}2": None, f"{loser}1": Target(*head, "tie"),
+                         f"{loser}2": Target(*head, "tie")}
 
 
 def test_a_same_step_fork_goes_to_the_better_vouched_bytes_then_the_smaller_hash():
@@ -125,6 +131,33 @@ def test_a_same_step_fork_goes_to_the_better_vouched_bytes_then_the_smaller_hash
     # the better-vouched side of a fork is a plain fork, not a tie: three against our two
     records = view({"b": left, "c": left, "d": left, "f": right})
     assert choose_target(records, right, fresh=False, own_id="e") in (Target(*left[-1], "majority"), Target(*left[-1], "fork"))
+
+
+def test_two_halves_of_a_split_round_merge_even_when_one_carried_on():
+    """A round split into two groups of two (a partial all-reduce, then two retries): step 7 on other bytes on each
+    side. If one side averaged again before the tie was seen, no head shares a step, and both sides kept their own
+    for good (a CI run stopped such a swarm with its halves apart). The rule of a same-step fork, applied at the step
+    where the sides differ, gives both sides the same answer whichever side is ahead."""
+    base = history("h", 6)
+    left, right = [*base, (7, sha("left"))], [*base, (7, sha("right"))]
+    smaller, larger = sorted([left, right], key=lambda chain: chain[-1][1])
+    for small, big in (([*smaller, (8, sha("s8"))], larger), (smaller, [*larger, (8, sha("b8"))]), (smaller, larger)):
+        peers = {"a": small, "b": small, "c": big, "d": big}
+        records = view(peers)
+        decisions = {peer: choose_target(records, chain, fresh=False, own_id=peer) for peer, chain in peers.items()}
+        assert decisions == {"a": None, "b": None, "c": Target(*small[-1], "tie"), "d": Target(*small[-1], "tie")}
+    # both sides carried on: the heads at one step decide (the existing rule), and nothing contradicts it
+    small, big = [*smaller, (8, sha("s8"))], [*larger, (8, sha("b8"))]
+    peers = {"a": small, "b": small, "c": big, "d": big}
+    records = view(peers)
+    decisions = {peer: choose_target(records, chain, fresh=False, own_id=peer) for peer, chain in peers.items()}
+    assert sum(decision is not None for decision in decisions.values()) == 2
+    assert len({decision for decision in decisions.values() if decision is not None}) == 1
+    # three against one is a majority, not a tie; and a lone fork of one peer moves nobody
+    peers = {"a": [*smaller, (8, sha("s8"))], "b": larger, "c": larger, "d": larger}
+    records = view(peers)
+    assert choose_target(records, peers["b"], fresh=False, own_id="b") is None
+    assert choose_target(records, peers["a"], fresh=False, own_id="a") == Target(*larger[-1], "majority")
 
 
 def test_a_peer_one_step_ahead_of_everyone_keeps_its_head():
