@@ -12,6 +12,8 @@ pieces of it rather than copying it:
    own value and logs a warning. Here any lost part makes the round fail, loudly, as a returned value.
 3. *The 8-bit codec crashes under numpy 2* and the failure is swallowed. Our codecs
    (``core/compression.py``) are registered in hivemind's codec registry (``swarm/wire.py``) for the wire types they use.
+4. *The garbage collector ends a cancelled search half-way.* Every task of the averager's loop is kept referenced
+   until it ends (``hold_tasks``).
 
 This module does not decide *when* to average or what to do with the result: that is the learner's job.
 """
@@ -139,6 +141,37 @@ async def _keep_group_key(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
+_HELD_TASKS: set[asyncio.Task] = set()
+
+
+def hold_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Keep every task ``loop`` creates from now on referenced until it ends (docs/design.md §6).
+
+    hivemind's averager awaits MPFutures (its DHT calls), which hivemind registers only weakly, and it cancels a
+    search's matchmaking task without awaiting its clean-up, which itself awaits a DHT call (the averager's
+    withdrawal from the step's key). From then on nothing outside the tasks refers to them: a collection of the
+    garbage collector in that moment destroys them mid-clean-up, and the matchmaking they held stays locked for
+    good. A late joiner in CI went ``stale`` 53 rounds in a row that way ("Task was destroyed but it is pending!" in
+    its log, right after a search it abandoned). Idempotent; keeps a task factory already installed."""
+    previous = loop.get_task_factory()
+    if getattr(previous, "holds_tasks", False):
+        return
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Future:
+        task = previous(loop, coro, **kwargs) if previous is not None else asyncio.Task(coro, loop=loop, **kwargs)
+        hold(task)
+        return task
+
+    factory.holds_tasks = True  # type: ignore[attr-defined]
+    loop.set_task_factory(factory)
+
+
+def hold(task: asyncio.Future) -> None:
+    """Keep ``task`` referenced until it ends."""
+    _HELD_TASKS.add(task)
+    task.add_done_callback(_HELD_TASKS.discard)
+
+
 class DilocoAverager(DecentralizedAverager):
     """hivemind's averager with exact results, partial-round detection, byte counters and our state.
 
@@ -212,6 +245,13 @@ class DilocoAverager(DecentralizedAverager):
         for tensor, result in zip(tensors, results, strict=True):
             tensor.copy_(result)
 
+    async def _step(self, **kwargs: Any) -> None:
+        # runs in the averager's loop, as every step begins: from here on its tasks are held (hold_tasks); the step's
+        # own task was created before the first call installed that
+        hold_tasks(asyncio.get_running_loop())
+        hold(asyncio.current_task())
+        await super()._step(**kwargs)
+
     def set_round(self, outer_step: int, expected_group_size: int | None) -> None:
         """Match only with peers averaging ``outer_step``, and assemble the group as soon as
         ``expected_group_size`` peers are in it (None: wait out the whole matchmaking time, hivemind's way)."""
@@ -223,6 +263,7 @@ class DilocoAverager(DecentralizedAverager):
 
     async def _set_round(self, group_bits: str, target: int | None, future: MPFuture) -> None:
         try:
+            hold_tasks(asyncio.get_running_loop())
             self._round_step = int(group_bits, 2)  # the outer step (outer_step_key)
             matchmaking = self._matchmaking
             # hivemind re-shuffles the group key after every assembled group (for gossip averaging); our key is
@@ -250,6 +291,7 @@ class DilocoAverager(DecentralizedAverager):
 
     async def _load_state_excluding(self, future: MPFuture, exclude: tuple[str, ...]) -> None:
         # as DecentralizedAverager._load_state_from_peers in hivemind 1.1.12, plus the ``exclude`` filter
+        hold_tasks(asyncio.get_running_loop())
         try:
             key_manager = self._matchmaking.group_key_manager
             found, _ = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True) or ({}, None)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import threading
+import time
+import weakref
 
 import pytest
 import torch
 from hivemind import DHT
+from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco.core.compression import ReducerFeedback, make_codec
 from p2p_diloco.core.link import codec_round_trip
@@ -31,13 +36,14 @@ class CrashingReducerRunner(ExactAllReduceRunner):
         yield  # unreachable: makes this an async generator like the method it overrides
 
 
-def _swarm(count: int, compression: str, runners: list[type] | None = None, reducer_feedback: bool = False):
+def _swarm(count: int, compression: str, runners: list[type] | None = None, reducer_feedback: bool = False,
+           averager_class: type[DilocoAverager] = DilocoAverager):
     dhts = [DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
     address = [str(a) for a in dhts[0].get_visible_maddrs()]
     dhts += [DHT(start=True, initial_peers=address, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(count - 1)]
     runners = runners or [ExactAllReduceRunner] * count
     averagers = [
-        DilocoAverager(
+        averager_class(
             [torch.zeros(shape) for shape in SHAPES],
             dht,
             wire_codec=WireCodec(make_codec(compression)),
@@ -58,11 +64,12 @@ def _swarm(count: int, compression: str, runners: list[type] | None = None, redu
     return dhts, averagers
 
 
-def _average_concurrently(averagers, inputs, weights, timeout_s, outer_step=5):
+def _average_concurrently(averagers, inputs, weights, timeout_s, outer_step=5, expected_group_size=None):
     outcomes = [None] * len(averagers)
 
     def work(index):
-        outcomes[index] = run_averaging(averagers[index], inputs[index], weights[index], outer_step=outer_step, timeout_s=timeout_s)
+        outcomes[index] = run_averaging(averagers[index], inputs[index], weights[index], outer_step=outer_step,
+                                        timeout_s=timeout_s, expected_group_size=expected_group_size)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(averagers))]
     for thread in threads:
@@ -207,3 +214,47 @@ def test_state_download_skips_refused_donors_and_names_the_donor():
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+class CollectingAverager(DilocoAverager):
+    """An averager that runs the garbage collector in its process on request, and says how many of the search's
+    tasks it found pending and how many of those the collection destroyed."""
+
+    def collect(self) -> tuple[int, int]:
+        future = MPFuture()
+        self._outer_pipe.send(("_collect", [], dict(future=future)))
+        return future.result(timeout=10)
+
+    async def _collect(self, future: MPFuture) -> None:
+        names = ("find_peers_or_notify_cancel", "_request_join_potential_leaders", "_declare_averager_periodically")
+        pending = [weakref.ref(t) for t in asyncio.all_tasks() if not t.done() and any(n in repr(t) for n in names)]
+        gc.collect()
+        future.set_result((len(pending), sum(task() is None for task in pending)))
+
+
+def test_a_search_abandoned_while_the_collector_runs_leaves_the_averager_working():
+    """hivemind cancels an abandoned search's tasks without awaiting their clean-up, which awaits a DHT call that
+    its process holds only weakly: the garbage collector, run then, destroyed the tasks half-way and the averager
+    never found a group again (a late joiner in CI: stale 53 rounds in a row). A collection right after each
+    abandoned search must destroy none of them, and the two averagers must still average together."""
+    dhts, averagers = _swarm(2, "none", averager_class=CollectingAverager)
+    try:
+        seen = []
+        for step in range(1, 9):  # until collections caught a clean-up in flight twice (the first one did, here)
+            began = time.monotonic()
+            outcome = run_averaging(averagers[0], [torch.ones(shape) for shape in SHAPES], 1.0, outer_step=step,
+                                    timeout_s=10, expected_group_size=2,
+                                    should_abort=lambda began=began: time.monotonic() > began + 0.7)
+            assert outcome.status == "stale", outcome
+            seen.append(averagers[0].collect())
+            if sum(pending > 0 for pending, _ in seen) >= 2:
+                break
+        assert sum(pending > 0 for pending, _ in seen) >= 2, seen  # the collections ran while a clean-up was on
+        assert all(destroyed == 0 for _, destroyed in seen), seen
+        inputs = [[torch.full(shape, float(i)) for shape in SHAPES] for i in range(2)]
+        outcomes = _average_concurrently(averagers, inputs, [1.0, 1.0], timeout_s=20, outer_step=100,
+                                         expected_group_size=2)
+    finally:
+        _shutdown(dhts, averagers)
+    assert all(o is not None and o.status == "ok" for o in outcomes), [(o.status, o.reason) for o in outcomes]
+    assert all(torch.equal(o.averaged[0], torch.full(SHAPES[0], 0.5)) for o in outcomes)

@@ -3,14 +3,20 @@ woken, or it searches on with the old step until the step's deadline and blocks 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
+import io
 import threading
 import time
+import warnings
+import weakref
 
 import pytest
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils.mpfuture import MPFuture
 
-from p2p_diloco.swarm.averaging import Abandoned, cancel_search, wait_for_step
+from p2p_diloco.swarm.averaging import Abandoned, cancel_search, hold_tasks, wait_for_step
 
 
 def _step_seen_by_the_averager() -> tuple[StepControl, list[bool]]:
@@ -58,3 +64,38 @@ def test_a_search_is_not_cancelled_once_its_all_reduce_began():
     finally:
         finish.join()
     assert asked == [] and seen == [] and not control.cancelled()
+
+
+def _orphan_survives_a_collection(hold: bool) -> bool:
+    """A task whose only references are its own (it awaits a future nothing else refers to, as hivemind's tasks
+    await a DHT call's MPFuture): whether it is still there after the garbage collector ran."""
+    loop = asyncio.new_event_loop()
+    try:
+        if hold:
+            hold_tasks(loop)
+            hold_tasks(loop)  # idempotent
+
+        async def orphan() -> None:
+            await loop.create_future()
+
+        async def main() -> weakref.ref:
+            task = loop.create_task(orphan())
+            await asyncio.sleep(0)  # the orphan now waits on its future
+            return weakref.ref(task)
+
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):  # "Task was destroyed but it is pending!"
+            warnings.simplefilter("ignore")
+            task = loop.run_until_complete(main())
+            gc.collect()
+            alive = task() is not None
+            if alive:
+                task().cancel()
+                loop.run_until_complete(asyncio.sleep(0))
+        return alive
+    finally:
+        loop.close()
+
+
+def test_held_tasks_outlive_a_collection_that_destroys_unheld_ones():
+    assert not _orphan_survives_a_collection(hold=False)  # what hivemind's loop does
+    assert _orphan_survives_a_collection(hold=True)
