@@ -38,7 +38,7 @@ from p2p_diloco.core.robust import RobustPolicy, robust_average
 from p2p_diloco.train.data import Dataset
 from p2p_diloco.train.model import build_model
 
-SCENARIOS = ("calm", "scaled", "fast")
+SCENARIOS = ("calm", "scaled", "scaled3", "fast")
 SCALE = 90.0  # experiments/adversary.py UNDER_SCALE
 FAST = 4  # the fast island's inner steps, in multiples of the others'
 MODEL = ModelConfig(n_layers=2, d_model=64, n_heads=2, seq_len=64)  # attack.py's DEFAULT_FLAGS
@@ -61,10 +61,13 @@ def aggregate(outer_grads: list[torch.Tensor], weights: list[float], clip_ratio:
     return torch.cat(averaged)
 
 
-def run(scenario: str, clip_ratio: float | None, seed: int, outer_steps: int) -> list[float]:
-    """Held-out loss of the global params at the start and after each outer step."""
+def run(scenario: str, clip_ratio: float | None, seed: int, outer_steps: int, overlap: float = 0.0) -> list[float]:
+    """Held-out loss of the global params at the start and after each outer step. ``overlap``: the fraction of each
+    island's inner steps taken while the round's average is in flight, as a peer does (docs/design.md §2): the outer
+    gradient is measured at a snapshot taken that many steps before the round's end, the island trains on, and when
+    the average is applied it keeps that work (local <- new global + (local - snapshot)). 0: the synchronous form."""
     torch.set_num_threads(1)
-    islands = 4 if scenario == "scaled" else 3
+    islands = {"scaled": 4, "scaled3": 3}.get(scenario, 3)
     inner = InnerConfig(batch_size=BATCH, inner_steps=INNER_STEPS)
     shards = [Dataset(DataConfig(num_shards=islands, shard_index=i), MODEL.seq_len, BATCH, seed) for i in range(islands)]
     held_out = shards[0].eval_batches(4)
@@ -80,23 +83,30 @@ def run(scenario: str, clip_ratio: float | None, seed: int, outer_steps: int) ->
         with torch.no_grad():
             return sum(global_model(x, y).item() for x, y in held_out) / len(held_out)
 
+    def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard: Dataset, count: int) -> None:
+        model.train()
+        for _ in range(count):
+            inputs, targets = shard.train.next_batch()
+            loss = model(inputs, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), inner.grad_clip_norm)
+            optimizer.step()
+
+    for model in models:
+        with torch.no_grad():
+            for param, value in zip(model.parameters(), global_params):
+                param.copy_(value)
     losses = [evaluate()]
     for _ in range(outer_steps):
-        flat = []
+        flat, snapshots = [], []
         for model, optimizer, shard, count in zip(models, optimizers, shards, steps):
-            with torch.no_grad():
-                for param, value in zip(model.parameters(), global_params):
-                    param.copy_(value)
-            model.train()
-            for _ in range(count):
-                inputs, targets = shard.train.next_batch()
-                loss = model(inputs, targets)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(list(model.parameters()), inner.grad_clip_norm)
-                optimizer.step()
-            flat.append(torch.cat([(g - p.detach()).reshape(-1) for g, p in zip(global_params, model.parameters())]))
-        if scenario == "scaled":
+            during = round(count * overlap)
+            train(model, optimizer, shard, count - during)
+            snapshots.append([p.detach().clone() for p in model.parameters()])
+            flat.append(torch.cat([(g - p).reshape(-1) for g, p in zip(global_params, snapshots[-1])]))
+            train(model, optimizer, shard, during)  # while the round's average is in flight
+        if scenario.startswith("scaled"):
             flat[-1] = flat[-1] * SCALE
         weights = [float(count * BATCH * MODEL.seq_len) for count in steps]
         average = aggregate(flat, weights, clip_ratio)
@@ -106,6 +116,10 @@ def run(scenario: str, clip_ratio: float | None, seed: int, outer_steps: int) ->
             tensors.append(average[offset:offset + size].view(shape))
             offset += size
         outer.step(tensors)
+        for model, snapshot in zip(models, snapshots):
+            with torch.no_grad():
+                for param, value, before in zip(model.parameters(), global_params, snapshot):
+                    param.copy_(value + (param - before))  # keep the work done while averaging
         losses.append(evaluate())
     return losses
 
@@ -145,18 +159,22 @@ def main(argv: list[str] | None = None, prog: str = "robust_study.py") -> int:
     parser.add_argument("--outer-steps", type=int, default=20)
     parser.add_argument("--clip-ratios", type=float, nargs="+", default=[2.0, 1.0])
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--overlap", type=float, default=0.0,
+                        help="fraction of each round's inner steps taken while its average is in flight (0: synchronous)")
     args = parser.parse_args(argv)
-    if args.outer_steps < 5 or any(c < 1 for c in args.clip_ratios) or args.workers < 1:
-        print(f"{prog}: --outer-steps must be >= 5, --clip-ratios >= 1, --workers >= 1", file=sys.stderr)
+    if args.outer_steps < 5 or any(c < 1 for c in args.clip_ratios) or args.workers < 1 or not 0 <= args.overlap < 1:
+        print(f"{prog}: --outer-steps must be >= 5, --clip-ratios >= 1, --workers >= 1, --overlap in [0, 1)", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     clips: list[float | None] = [None, *args.clip_ratios]
-    jobs = [(scenario, clip, seed, args.outer_steps) for seed in args.seeds for scenario in SCENARIOS for clip in clips
-            if not (scenario == "scaled" and clip is None)]  # the plain mean has no defence: the scaled sender wins
+    jobs = [(scenario, clip, seed, args.outer_steps, args.overlap) for seed in args.seeds for scenario in SCENARIOS for clip in clips
+            if (scenario in args.scenarios or (scenario == "calm" and clip is None))  # the reference of every row
+            and not (scenario.startswith("scaled") and clip is None)]  # the plain mean has no defence: the scaled sender wins
     results: dict[tuple, list[float]] = {}
     with ProcessPoolExecutor(args.workers) as pool:
-        for (scenario, clip, seed, _), losses, seconds in pool.map(_job, jobs):
+        for (scenario, clip, seed, *_), losses, seconds in pool.map(_job, jobs):
             results[(scenario, clip, seed)] = losses
             print(f"{scenario:7s} {_label(clip):10s} seed {seed}: last {losses[-1]:.4f} ({seconds:.0f} s)", flush=True)
     text = table(results, args.seeds, clips)

@@ -48,7 +48,7 @@ def test_in_a_group_of_two_the_other_is_clipped_against_our_own_part():
     own, other = _honest(0), _honest(1) * 50  # 50x our norm, with the same declared weight
     result, notes, _ = robust_average([own, other], [1000.0, 1000.0], [None, None], SHAPE, POLICY, own=0)
     deviation = float((other - own).norm())
-    limit = POLICY.clip_ratio * float(own.norm())
+    limit = POLICY.pair_clip_ratio * float(own.norm())
     expected = own + (other - own) * (limit / deviation) / 2
     torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-7)
     assert "cut" in notes[1]

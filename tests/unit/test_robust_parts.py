@@ -49,12 +49,30 @@ def test_part_problem_names_the_defect(part, expected):
     assert (problem is None) if expected is None else (expected in problem)
 
 
-def test_honest_parts_give_the_exact_weighted_mean_and_no_notes():
+def _clipped_mean(parts: list[torch.Tensor], weights: list[float], clip_ratio: float) -> torch.Tensor:
+    """Centered clipping written out for three or more senders: around the coordinate-wise median, each deviation
+    cut to ``clip_ratio`` times the median deviation, then their weighted mean."""
+    ordered = torch.stack(parts).sort(dim=0).values
+    count = len(parts)
+    centre = (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
+    deviations = [p - centre for p in parts]
+    distances = sorted(float(d.norm()) for d in deviations)
+    radius = clip_ratio * (distances[(count - 1) // 2] + distances[count // 2]) / 2
+    cut = [d * min(1.0, radius / float(d.norm())) for d in deviations]
+    return centre + sum(w * d for w, d in zip(weights, cut)) / sum(weights)
+
+
+def test_honest_parts_give_the_clipped_weighted_mean_and_no_notes():
     parts, weights = _parts(3), [1000.0, 2000.0, 3000.0]
     result, notes, left_out = robust_average(parts, weights, [None] * 3, SHAPE, POLICY)
-    expected = sum(w * p for w, p in zip(weights, parts)) / sum(weights)
-    torch.testing.assert_close(result, expected)
+    # the radius is the median deviation: the farthest of three alike honest parts is cut a little, nobody by half
+    torch.testing.assert_close(result, _clipped_mean(parts, weights, POLICY.clip_ratio))
     assert notes == {} and left_out == frozenset()
+    plain = sum(w * p for w, p in zip(weights, parts)) / sum(weights)
+    assert float((result - plain).norm()) < 0.1 * float(plain.norm())
+    # with a radius of twice the median deviation, three alike honest parts are not cut at all: the plain mean
+    wide, _, _ = robust_average(parts, weights, [None] * 3, SHAPE, RobustPolicy(clip_ratio=2.0))
+    torch.testing.assert_close(wide, plain)
     again, _, _ = robust_average(parts, weights, [None] * 3, SHAPE, POLICY)
     assert torch.equal(result, again)  # deterministic: same bytes every time
 
@@ -108,8 +126,7 @@ def test_declared_weights_are_clamped_to_published_progress_and_to_the_median():
 def test_an_inflated_weight_cannot_take_over_the_average():
     parts = _parts(3)
     result, notes, left_out = robust_average(parts, [1000.0, 1e9, 1000.0], [1000.0, 1000.0, 1000.0], SHAPE, POLICY)
-    share = POLICY.weight_margin * 1000.0 / (2000.0 + POLICY.weight_margin * 1000.0)
-    torch.testing.assert_close(result, (parts[0] + parts[2]) * (1 - share) / 2 + parts[1] * share)
+    torch.testing.assert_close(result, _clipped_mean(parts, [1000.0, POLICY.weight_margin * 1000.0, 1000.0], POLICY.clip_ratio))
     assert "clamped" in notes[1] and left_out == frozenset()  # clamped, but it still counts
 
 
@@ -162,7 +179,7 @@ def test_robust_reducer_keeps_hivemind_part_order_and_reports_rejections():
         return results[0]
 
     averaged = asyncio.run(run())
-    torch.testing.assert_close(averaged[0], sum(parts[0]) / 3)
+    torch.testing.assert_close(averaged[0], _clipped_mean(parts[0], [1.0, 1.0, 1.0], POLICY.clip_ratio))
     torch.testing.assert_close(averaged[1], (parts[1][0] + parts[1][1]) / 2)
     assert [(s, out) for s, _, out in reports] == [(2, True)] and "median" in reports[0][1]
 
