@@ -92,6 +92,20 @@ def _sync_dp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shar
     optimizer.step()
 
 
+def train_island(island: torch.nn.Module, optimizer: torch.optim.Optimizer, shard: Dataset, steps: int,
+                 inner: InnerConfig) -> None:
+    """``steps`` inner AdamW steps of one island on its shard (gradients clipped as a peer clips them)."""
+    island.train()
+    for _ in range(steps):
+        inputs, targets = shard.train.next_batch()
+        loss = island(inputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if inner.grad_clip_norm:
+            torch.nn.utils.clip_grad_norm_(list(island.parameters()), inner.grad_clip_norm)
+        optimizer.step()
+
+
 def _begin(start: WarmStart | None, shards: list, models: list, optimizers: list) -> int:
     """Put the warm start into the shards (read on from it), models and optimizers (private copies); its tokens."""
     if start is None:
@@ -151,15 +165,7 @@ def diloco_curve(
     while done < tokens:
         outer_grads = []
         for island, optimizer, shard in zip(islands, optimizers, shards):
-            island.train()
-            for _ in range(inner_steps):
-                inputs, targets = shard.train.next_batch()
-                loss = island(inputs, targets)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if inner.grad_clip_norm:
-                    torch.nn.utils.clip_grad_norm_(list(island.parameters()), inner.grad_clip_norm)
-                optimizer.step()
+            train_island(island, optimizer, shard, inner_steps, inner)
             local = [p.detach() for p in island.parameters()]
             outer_grads.append(codec_round_trip(codec, [g - p for g, p in zip(global_params, local)]))
         outer_optimizer.step([torch.stack(parts).mean(0) for parts in zip(*outer_grads)])

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from experiments.equal_tokens import train_island
 from p2p_diloco.core.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from p2p_diloco.core.outer import OuterOptimizer
 from p2p_diloco.core.robust import RobustPolicy, robust_average
@@ -83,16 +84,6 @@ def run(scenario: str, clip_ratio: float | None, seed: int, outer_steps: int, ov
         with torch.no_grad():
             return sum(global_model(x, y).item() for x, y in held_out) / len(held_out)
 
-    def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard: Dataset, count: int) -> None:
-        model.train()
-        for _ in range(count):
-            inputs, targets = shard.train.next_batch()
-            loss = model(inputs, targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(model.parameters()), inner.grad_clip_norm)
-            optimizer.step()
-
     for model in models:
         with torch.no_grad():
             for param, value in zip(model.parameters(), global_params):
@@ -102,10 +93,10 @@ def run(scenario: str, clip_ratio: float | None, seed: int, outer_steps: int, ov
         flat, snapshots = [], []
         for model, optimizer, shard, count in zip(models, optimizers, shards, steps):
             during = round(count * overlap)
-            train(model, optimizer, shard, count - during)
+            train_island(model, optimizer, shard, count - during, inner)
             snapshots.append([p.detach().clone() for p in model.parameters()])
             flat.append(torch.cat([(g - p).reshape(-1) for g, p in zip(global_params, snapshots[-1])]))
-            train(model, optimizer, shard, during)  # while the round's average is in flight
+            train_island(model, optimizer, shard, during, inner)  # while the round's average is in flight
         if scenario.startswith("scaled"):
             flat[-1] = flat[-1] * SCALE
         weights = [float(count * BATCH * MODEL.seq_len) for count in steps]
