@@ -286,6 +286,12 @@ def _run_with_retries(name: str, run: str, out_dir: Path, flags: list[str], args
         except RuntimeError as e:
             print(f"{prog}: {run} failed (attempt {attempt + 1}): {str(e).splitlines()[0][:300]}", flush=True)
             error = str(e)[:2000]
+            # the next attempt starts from an empty folder: keep this one's logs and records beside it
+            kept = out_dir / f"{run}.attempt{attempt + 1}"
+            shutil.rmtree(kept, ignore_errors=True)
+            if (out_dir / run).exists():
+                (out_dir / run).rename(kept)
+                print(f"{prog}: its logs and records are in {kept}", flush=True)
     return dict(scenario=name, run=run, error=error)
 
 
