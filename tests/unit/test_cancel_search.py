@@ -16,7 +16,7 @@ import pytest
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils.mpfuture import MPFuture
 
-from p2p_diloco.swarm.averaging import Abandoned, cancel_search, hold_tasks, wait_for_step
+from p2p_diloco.swarm.search import Abandoned, cancel_search, hold_tasks, wait_for_step
 
 
 def _step_seen_by_the_averager() -> tuple[StepControl, list[bool]]:
