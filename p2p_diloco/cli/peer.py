@@ -253,11 +253,13 @@ def _run_peer(config: PeerConfig, prog: str, link_class: type | None = None) -> 
         metrics.close()  # the watch and the live display too: what follows prints below the table
         if monitor is not None:
             monitor.close()
+        served = link.states_served()  # before close: the averager that counts them goes with it
         link.close()
         island.close()
         # this program owns its children: p2pd and anything else a killed child orphaned go with it
         reap_descendants()
-    print(f"peer {link.peer_id} stopped at outer step {learner.outer_step}", flush=True)
+    print(f"peer {link.peer_id} stopped at outer step {learner.outer_step}, "
+          f"having served {served[0]} states ({served[1]:,} B) to peers catching up", flush=True)
     sys.stderr.flush()
     # everything is saved and closed; an abandoned averaging thread stuck in hivemind must not keep the
     # process alive at interpreter exit (it would outlive the launcher's grace period and be SIGKILLed)

@@ -90,6 +90,8 @@ class Link(Protocol):
 
     def traffic(self) -> tuple[int, int]: ...
 
+    def states_served(self) -> tuple[int, int]: ...
+
     def close(self) -> None: ...
 
 
@@ -146,6 +148,9 @@ class LocalLink(ImmediateAveraging):
         pass
 
     def traffic(self) -> tuple[int, int]:
+        return 0, 0
+
+    def states_served(self) -> tuple[int, int]:
         return 0, 0
 
     def close(self) -> None:

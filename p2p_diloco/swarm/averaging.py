@@ -35,7 +35,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
@@ -247,6 +247,14 @@ class DilocoAverager(DecentralizedAverager):
         except Exception as e:
             if not future.done():
                 future.set_exception(e)
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        # counted apart from the averaging messages: a peer's wire bytes are its rounds' plus the states it served
+        self.traffic.add_state_served()
+        async for message in metered(super().rpc_download_state(request, context), self.traffic.add_state_bytes):
+            yield message
 
     def load_state_excluding(
         self, timeout: float, exclude: Sequence[str] = ()

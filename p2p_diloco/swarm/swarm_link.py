@@ -347,6 +347,10 @@ class SwarmLink:
         assert self._averager is not None
         return self._averager.traffic.totals()
 
+    def states_served(self) -> tuple[int, int]:
+        """States this peer's averager served to peers catching up, and their bytes (what its rounds do not count)."""
+        return self._averager.traffic.served() if self._averager is not None else (0, 0)
+
     # state download -------------------------------------------------------------------------------
 
     def download_state(self, shapes: Sequence[Sequence[int]], target: history.Target) -> SwarmState | None:

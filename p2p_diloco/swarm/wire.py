@@ -101,11 +101,14 @@ def install_wire_codecs() -> None:
 
 
 class TrafficCounters:
-    """Bytes of averaging messages sent and received, shared between the averager process and its parent."""
+    """Bytes of averaging messages sent and received, and the states served to peers catching up (how many, and
+    their bytes), shared between the averager process and its parent."""
 
     def __init__(self) -> None:
         self._sent = mp.Value(ctypes.c_double, 0.0)
         self._received = mp.Value(ctypes.c_double, 0.0)
+        self._states_served = mp.Value(ctypes.c_double, 0.0)
+        self._state_bytes_served = mp.Value(ctypes.c_double, 0.0)
 
     def add_sent(self, num_bytes: int) -> None:
         with self._sent.get_lock():
@@ -115,8 +118,20 @@ class TrafficCounters:
         with self._received.get_lock():
             self._received.value += num_bytes
 
+    def add_state_served(self) -> None:
+        with self._states_served.get_lock():
+            self._states_served.value += 1
+
+    def add_state_bytes(self, num_bytes: int) -> None:
+        with self._state_bytes_served.get_lock():
+            self._state_bytes_served.value += num_bytes
+
     def totals(self) -> tuple[int, int]:
         return int(self._sent.value), int(self._received.value)
+
+    def served(self) -> tuple[int, int]:
+        """States served (downloads begun by an asker we did not refuse) and their bytes sent so far."""
+        return int(self._states_served.value), int(self._state_bytes_served.value)
 
 
 async def metered(messages: AsyncIterator[Any], count: Callable[[int], None]) -> AsyncIterator[Any]:

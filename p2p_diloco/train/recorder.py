@@ -116,6 +116,7 @@ def write_record(
     interval, learner.interval = learner.interval, Interval()
     weight = pending.weight if pending else 0.0
     sent_total, received_total = link.traffic()
+    states_served, state_bytes_served = link.states_served()
     record = dict(
         peer_id=link.peer_id,
         outer_step=learner.outer_step,
@@ -141,6 +142,8 @@ def write_record(
         bytes_received=int(traffic[1]) if traffic else 0,
         bytes_sent_total=int(sent_total),  # averaging messages since the process started
         bytes_received_total=int(received_total),
+        states_served_total=states_served,  # states served to peers catching up since the process started
+        state_bytes_served_total=state_bytes_served,
         averaging_s=round(time.monotonic() - pending.started, 3) if pending else None,
         steps_during_averaging=pending.steps_during if pending else 0,
         fragment=pending.fragment if pending else None,

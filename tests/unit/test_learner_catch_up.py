@@ -53,6 +53,9 @@ class AheadLink(ImmediateAveraging):
     def traffic(self) -> tuple[int, int]:
         return 0, 0
 
+    def states_served(self) -> tuple[int, int]:
+        return 0, 0
+
     def close(self) -> None:
         pass
 

@@ -87,6 +87,9 @@ class FakeLink:
     def traffic(self) -> tuple[int, int]:
         return 0, 0
 
+    def states_served(self) -> tuple[int, int]:
+        return 0, 0
+
     def close(self) -> None:
         pass
 
