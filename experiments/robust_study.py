@@ -24,6 +24,7 @@ each against the calm, plain mean of its seed. Writes ``robust_study.json`` and 
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import sys
 import time
@@ -46,13 +47,14 @@ MODEL = ModelConfig(n_layers=2, d_model=64, n_heads=2, seq_len=64)  # attack.py'
 BATCH, INNER_STEPS = 8, 80
 
 
-def aggregate(outer_grads: list[torch.Tensor], weights: list[float], clip_ratio: float | None) -> torch.Tensor:
+def aggregate(outer_grads: list[torch.Tensor], weights: list[float], clip_ratio: float | None,
+              norm_clip: float = math.inf) -> torch.Tensor:
     """One group's average of flat outer gradients: the plain weighted mean (``clip_ratio`` None), or the reducers'
-    rule on one contiguous part per member, member i reducing part i."""
+    rule on one contiguous part per member, member i reducing part i (``norm_clip``: RobustPolicy.norm_clip_ratio)."""
     if clip_ratio is None:
         total = sum(weights)
         return sum(g * (w / total) for g, w in zip(outer_grads, weights))
-    policy = RobustPolicy(clip_ratio=clip_ratio)
+    policy = RobustPolicy(clip_ratio=clip_ratio, norm_clip_ratio=norm_clip)
     parts = [torch.tensor_split(g, len(outer_grads)) for g in outer_grads]
     averaged = []
     for index in range(len(outer_grads)):
@@ -62,7 +64,8 @@ def aggregate(outer_grads: list[torch.Tensor], weights: list[float], clip_ratio:
     return torch.cat(averaged)
 
 
-def run(scenario: str, clip_ratio: float | None, seed: int, outer_steps: int, overlap: float = 0.0) -> list[float]:
+def run(scenario: str, clip_ratio: float | None, seed: int, outer_steps: int, overlap: float = 0.0,
+        norm_clip: float = math.inf) -> list[float]:
     """Held-out loss of the global params at the start and after each outer step. ``overlap``: the fraction of each
     island's inner steps taken while the round's average is in flight, as a peer does (docs/design.md §2): the outer
     gradient is measured at a snapshot taken that many steps before the round's end, the island trains on, and when
@@ -100,7 +103,7 @@ def run(scenario: str, clip_ratio: float | None, seed: int, outer_steps: int, ov
         if scenario.startswith("scaled"):
             flat[-1] = flat[-1] * SCALE
         weights = [float(count * BATCH * MODEL.seq_len) for count in steps]
-        average = aggregate(flat, weights, clip_ratio)
+        average = aggregate(flat, weights, clip_ratio, norm_clip)
         shapes, offset, tensors = [p.shape for p in global_params], 0, []
         for shape in shapes:
             size = torch.Size(shape).numel()
@@ -151,16 +154,20 @@ def main(argv: list[str] | None = None, prog: str = "robust_study.py") -> int:
     parser.add_argument("--clip-ratios", type=float, nargs="+", default=[2.0, 1.0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--norm-clip", type=float, default=math.inf,
+                        help="RobustPolicy.norm_clip_ratio of every clipped aggregation (default: off)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="fraction of each round's inner steps taken while its average is in flight (0: synchronous)")
     args = parser.parse_args(argv)
-    if args.outer_steps < 5 or any(c < 1 for c in args.clip_ratios) or args.workers < 1 or not 0 <= args.overlap < 1:
-        print(f"{prog}: --outer-steps must be >= 5, --clip-ratios >= 1, --workers >= 1, --overlap in [0, 1)", file=sys.stderr)
+    if (args.outer_steps < 5 or any(c < 1 for c in args.clip_ratios) or args.workers < 1 or not 0 <= args.overlap < 1
+            or not args.norm_clip >= 1):
+        print(f"{prog}: --outer-steps must be >= 5, --clip-ratios and --norm-clip >= 1, --workers >= 1, --overlap in [0, 1)",
+              file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     clips: list[float | None] = [None, *args.clip_ratios]
-    jobs = [(scenario, clip, seed, args.outer_steps, args.overlap) for seed in args.seeds for scenario in SCENARIOS for clip in clips
+    jobs = [(scenario, clip, seed, args.outer_steps, args.overlap, args.norm_clip) for seed in args.seeds for scenario in SCENARIOS for clip in clips
             if (scenario in args.scenarios or (scenario == "calm" and clip is None))  # the reference of every row
             and not (scenario.startswith("scaled") and clip is None)]  # the plain mean has no defence: the scaled sender wins
     results: dict[tuple, list[float]] = {}
@@ -169,6 +176,8 @@ def main(argv: list[str] | None = None, prog: str = "robust_study.py") -> int:
             results[(scenario, clip, seed)] = losses
             print(f"{scenario:7s} {_label(clip):10s} seed {seed}: last {losses[-1]:.4f} ({seconds:.0f} s)", flush=True)
     text = table(results, args.seeds, clips)
+    if math.isfinite(args.norm_clip):
+        text = f"every clipped aggregation with norm_clip_ratio {args.norm_clip:g}\n\n{text}"
     print(text)
     (out / "robust_study.md").write_text(text)
     (out / "robust_study.json").write_text(json.dumps(

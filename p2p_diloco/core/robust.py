@@ -70,6 +70,10 @@ class RobustPolicy:
     # two honest reducers of a pair each clip around their own part, and under --cross-check the two averages of a
     # share then differed whenever the clipping bit, and the pair banned each other (docs/security.md)
     pair_clip_ratio: float = 2.0
+    # before the centre is taken, a part whose norm per token passes this times the senders' (lower) median is scaled
+    # down to it (the sender still counts): a sender that trains honestly and scales its outer gradient up is then an
+    # honest-sized sender along its own direction (inf: off)
+    norm_clip_ratio: float = math.inf
     # a reducer's result may be at most this times the upper median of the part norms the group declared: the
     # clipped mean lies within |c| + tau <= (1 + 2 clip_ratio) honest norms, and the codecs add up to ~10%
     result_median_ratio: float = 6.0
@@ -83,7 +87,8 @@ class RobustPolicy:
 
     def __post_init__(self) -> None:
         for name in ("max_norm_ratio", "max_weight_ratio", "weight_margin", "result_norm_ratio", "result_weight_scale_cap",
-                     "result_ban_excess", "clip_ratio", "pair_clip_ratio", "result_median_ratio", "swarm_norm_ratio"):
+                     "result_ban_excess", "clip_ratio", "pair_clip_ratio", "norm_clip_ratio", "result_median_ratio",
+                     "swarm_norm_ratio"):
             if not getattr(self, name) >= 1.0:
                 raise ValueError(f"RobustPolicy.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -167,6 +172,14 @@ def robust_average(
                     f"norm per token {sizes[index]:.3g} > {policy.max_norm_ratio:g}x the median {median:.3g}"
                 )
                 candidates.remove(index)
+        limit = policy.norm_clip_ratio * median
+        if median > 0 and math.isfinite(limit):
+            parts = list(parts)
+            for index in candidates:
+                if sizes[index] > limit:
+                    parts[index] = parts[index] * (limit / sizes[index])
+                    if sizes[index] > 2 * limit:
+                        notes.setdefault(index, f"norm per token {sizes[index]:.3g} cut to {limit:.3g}")
     result = _clipped_mean(parts, weights, candidates, own, shape, policy, notes)
     left_out = frozenset(rejected)
     for index, note in notes.items():

@@ -27,6 +27,7 @@ import logging
 import random
 import signal
 import time
+import typing
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -250,7 +251,7 @@ class DilocoAverager(DecentralizedAverager):
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind reads RPC streams from typing.AsyncIterator only
         # counted apart from the averaging messages: a peer's wire bytes are its rounds' plus the states it served
         self.traffic.add_state_served()
         async for message in metered(super().rpc_download_state(request, context), self.traffic.add_state_bytes):

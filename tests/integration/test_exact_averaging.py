@@ -209,6 +209,12 @@ def test_state_download_skips_refused_donors_and_names_the_donor():
         metadata, tensors, donor = averagers[0].load_state_excluding(timeout=10, exclude=[ids[1]])
         assert (metadata, donor) == ({"who": 2}, ids[2]) and torch.equal(tensors[0], torch.full((4,), 2.0))
         assert averagers[0].load_state_excluding(timeout=10, exclude=[ids[1], ids[2]]) is None
+        # each donor counted what it served (what a peer's wire bytes hold besides its rounds): the second served
+        # exactly once, its metadata and one tensor of 4 floats; the asker served nothing
+        assert averagers[0].traffic.served() == (0, 0)
+        states, state_bytes = averagers[2].traffic.served()
+        assert states == 1 and 16 < state_bytes < 1000
+        assert averagers[1].traffic.served()[0] >= 1
     finally:
         for averager in averagers:
             averager.shutdown()

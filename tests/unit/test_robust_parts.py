@@ -112,6 +112,26 @@ def test_a_part_large_for_its_weight_is_rejected_even_in_a_pair():
     torch.testing.assert_close(result, honest)
 
 
+def test_norm_clipping_scales_a_part_large_for_its_weight_down_to_the_limit_and_keeps_it():
+    policy = RobustPolicy(norm_clip_ratio=1.5, clip_ratio=100.0)  # a wide radius: the norm clip alone at work
+    honest = _parts(3)
+    for part in honest:
+        part.div_(part.norm())  # equal norms per token: nobody is over 1.5x the median
+    weights = [1000.0] * 4
+    calm, notes, _ = robust_average(honest, weights[:3], [None] * 3, SHAPE, policy)
+    assert notes == {}
+    plain, _, _ = robust_average(honest, weights[:3], [None] * 3, SHAPE, RobustPolicy(clip_ratio=100.0))
+    torch.testing.assert_close(calm, plain)
+    scaled = honest[0] * 90
+    result, notes, left_out = robust_average([*honest, scaled], weights, [None] * 4, SHAPE, policy)
+    assert set(notes) == {3} and "cut to" in notes[3] and left_out == frozenset()  # cut, still counted
+    # the scaled part counts as honest[0] at 1.5 times its norm (the median norm per token is 1 / 1000)
+    expected, _, _ = robust_average([*honest, honest[0] * 1.5], weights, [None] * 4, SHAPE, policy)
+    torch.testing.assert_close(result, expected)
+    unclipped, _, _ = robust_average([*honest, scaled], weights, [None] * 4, SHAPE, RobustPolicy(clip_ratio=100.0))
+    assert float((result - calm).norm()) < 0.5 * float((unclipped - calm).norm())
+
+
 def test_declared_weights_are_clamped_to_published_progress_and_to_the_median():
     weights, notes = clamp_weights([1000.0, 1e9, 1200.0], [1000.0, 1100.0, None], POLICY)
     assert weights == [1000.0, POLICY.weight_margin * 1100.0, 1200.0] and set(notes) == {1}
