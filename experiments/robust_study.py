@@ -1,6 +1,7 @@
 """The clipping radius against a sender just under the thresholds, and its cost on honest peers, without a network.
 
     python scripts/robust_study.py --out runs/robust-study [--seeds 0 1] [--outer-steps 20] [--clip-ratios 2 1]
+        [--overlap 0.9] [--norm-clip 1]
 
 The attack harness (attack.py) measures a scaled sender in a real swarm, where one run's loss moves several percent
 with the timing of its rounds. This runs the synchronous form in one process, so that two settings can be compared
@@ -24,7 +25,6 @@ each against the calm, plain mean of its seed. Writes ``robust_study.json`` and 
 from __future__ import annotations
 
 import argparse
-import math
 import json
 import sys
 import time
@@ -48,7 +48,7 @@ BATCH, INNER_STEPS = 8, 80
 
 
 def aggregate(outer_grads: list[torch.Tensor], weights: list[float], clip_ratio: float | None,
-              norm_clip: float = math.inf) -> torch.Tensor:
+              norm_clip: float = RobustPolicy.norm_clip_ratio) -> torch.Tensor:
     """One group's average of flat outer gradients: the plain weighted mean (``clip_ratio`` None), or the reducers'
     rule on one contiguous part per member, member i reducing part i (``norm_clip``: RobustPolicy.norm_clip_ratio)."""
     if clip_ratio is None:
@@ -65,7 +65,7 @@ def aggregate(outer_grads: list[torch.Tensor], weights: list[float], clip_ratio:
 
 
 def run(scenario: str, clip_ratio: float | None, seed: int, outer_steps: int, overlap: float = 0.0,
-        norm_clip: float = math.inf) -> list[float]:
+        norm_clip: float = RobustPolicy.norm_clip_ratio) -> list[float]:
     """Held-out loss of the global params at the start and after each outer step. ``overlap``: the fraction of each
     island's inner steps taken while the round's average is in flight, as a peer does (docs/design.md §2): the outer
     gradient is measured at a snapshot taken that many steps before the round's end, the island trains on, and when
@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None, prog: str = "robust_study.py") -> int:
     parser.add_argument("--clip-ratios", type=float, nargs="+", default=[2.0, 1.0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
-    parser.add_argument("--norm-clip", type=float, default=math.inf,
-                        help="RobustPolicy.norm_clip_ratio of every clipped aggregation (default: off)")
+    parser.add_argument("--norm-clip", type=float, default=RobustPolicy().norm_clip_ratio,
+                        help="RobustPolicy.norm_clip_ratio of every clipped aggregation (default: the peer's; inf: off)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="fraction of each round's inner steps taken while its average is in flight (0: synchronous)")
     args = parser.parse_args(argv)
@@ -175,9 +175,7 @@ def main(argv: list[str] | None = None, prog: str = "robust_study.py") -> int:
         for (scenario, clip, seed, *_), losses, seconds in pool.map(_job, jobs):
             results[(scenario, clip, seed)] = losses
             print(f"{scenario:7s} {_label(clip):10s} seed {seed}: last {losses[-1]:.4f} ({seconds:.0f} s)", flush=True)
-    text = table(results, args.seeds, clips)
-    if math.isfinite(args.norm_clip):
-        text = f"every clipped aggregation with norm_clip_ratio {args.norm_clip:g}\n\n{text}"
+    text = f"every clipped aggregation with norm_clip_ratio {args.norm_clip:g}\n\n" + table(results, args.seeds, clips)
     print(text)
     (out / "robust_study.md").write_text(text)
     (out / "robust_study.json").write_text(json.dumps(

@@ -4,6 +4,8 @@ deviation against our own part; a reducer's result is checked against the norms 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from p2p_diloco.core.portable import seeded_normal
@@ -46,18 +48,30 @@ def test_two_adversaries_of_five_just_under_every_threshold_move_the_average_by_
 
 def test_in_a_group_of_two_the_other_is_clipped_against_our_own_part():
     own, other = _honest(0), _honest(1) * 50  # 50x our norm, with the same declared weight
-    result, notes, _ = robust_average([own, other], [1000.0, 1000.0], [None, None], SHAPE, POLICY, own=0)
+    radius_only = RobustPolicy(norm_clip_ratio=math.inf)  # the pair's radius alone: no norm clipping first
+    result, notes, _ = robust_average([own, other], [1000.0, 1000.0], [None, None], SHAPE, radius_only, own=0)
     deviation = float((other - own).norm())
     limit = POLICY.pair_clip_ratio * float(own.norm())
     expected = own + (other - own) * (limit / deviation) / 2
     torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-7)
     assert "cut" in notes[1]
     # a peer that trained 4x the tokens may deviate 4x as far (capped at result_weight_scale_cap)
-    bigger, _, _ = robust_average([own, other], [1000.0, 4000.0], [None, None], SHAPE, POLICY, own=0)
+    bigger, _, _ = robust_average([own, other], [1000.0, 4000.0], [None, None], SHAPE, radius_only, own=0)
     assert float((bigger - own).norm()) > 3 * float((result - own).norm())
-    # two honest peers of the same size: nothing is cut
+    # with the norm clip (the default) the other's part is first cut to our norm (times norm_clip_ratio): it moves the
+    # average less
+    clipped, notes, _ = robust_average([own, other], [1000.0, 1000.0], [None, None], SHAPE, POLICY, own=0)
+    assert "norm" in notes[1]
+    cut = other * (POLICY.norm_clip_ratio * float(own.norm()) / float(other.norm()))
+    torch.testing.assert_close(clipped, (own + cut) / 2)
+    assert float((clipped - own).norm()) < 0.8 * float((result - own).norm())
+    # two honest peers of about the same size: the radius cuts nothing, the norm clip at most the larger part to the
+    # smaller's norm (a few percent here), which no note names
     calm, notes, _ = robust_average([own, _honest(1)], [1000.0, 1000.0], [None, None], SHAPE, POLICY, own=0)
-    torch.testing.assert_close(calm, (own + _honest(1)) / 2, rtol=1e-5, atol=1e-7)
+    smaller = min(float(own.norm()), float(_honest(1).norm()))
+    expected = sum(p * min(1.0, POLICY.norm_clip_ratio * smaller / float(p.norm())) for p in (own, _honest(1))) / 2
+    torch.testing.assert_close(calm, expected, rtol=1e-5, atol=1e-7)
+    assert float((calm - (own + _honest(1)) / 2).norm()) < 0.05 * float(calm.norm())
     assert not notes
 
 

@@ -49,9 +49,20 @@ def test_part_problem_names_the_defect(part, expected):
     assert (problem is None) if expected is None else (expected in problem)
 
 
+def _norm_clipped(parts: list[torch.Tensor], weights: list[float], ratio: float = POLICY.norm_clip_ratio) -> list[torch.Tensor]:
+    """The norm clip written out: each part cut to ``ratio`` times the larger of the lower median norm per token
+    (times its weight) and the lower median norm."""
+    norms = [float(p.norm()) for p in parts]
+    middle = (len(parts) - 1) // 2
+    per_token = sorted(n / w for n, w in zip(norms, weights))[middle]
+    limits = [ratio * max(per_token * w, sorted(norms)[middle]) for w in weights]
+    return [p * min(1.0, limit / n) for p, n, limit in zip(parts, norms, limits)]
+
+
 def _clipped_mean(parts: list[torch.Tensor], weights: list[float], clip_ratio: float) -> torch.Tensor:
-    """Centered clipping written out for three or more senders: around the coordinate-wise median, each deviation
-    cut to ``clip_ratio`` times the median deviation, then their weighted mean."""
+    """Centered clipping written out for three or more senders: each part norm-clipped, then around the
+    coordinate-wise median, each deviation cut to ``clip_ratio`` times the median deviation, then their weighted mean."""
+    parts = _norm_clipped(parts, weights)
     ordered = torch.stack(parts).sort(dim=0).values
     count = len(parts)
     centre = (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
@@ -102,7 +113,9 @@ def test_honest_parts_of_unequal_progress_are_all_kept():
     parts, weights = [small * 0.025, large], [100.0, 4000.0]
     result, notes, left_out = robust_average(parts, weights, [None, None], SHAPE, POLICY)
     assert notes == {} and left_out == frozenset()
-    torch.testing.assert_close(result, (100 * parts[0] + 4000 * parts[1]) / 4100)
+    cut = _norm_clipped(parts, weights)  # the larger of two alike norms per token is cut to the smaller: a few %
+    assert float((cut[1] - parts[1]).norm()) < 0.1 * float(parts[1].norm())
+    torch.testing.assert_close(result, (100 * cut[0] + 4000 * cut[1]) / 4100)
 
 
 def test_a_part_large_for_its_weight_is_rejected_even_in_a_pair():
@@ -120,7 +133,8 @@ def test_norm_clipping_scales_a_part_large_for_its_weight_down_to_the_limit_and_
     weights = [1000.0] * 4
     calm, notes, _ = robust_average(honest, weights[:3], [None] * 3, SHAPE, policy)
     assert notes == {}
-    plain, _, _ = robust_average(honest, weights[:3], [None] * 3, SHAPE, RobustPolicy(clip_ratio=100.0))
+    off = RobustPolicy(clip_ratio=100.0, norm_clip_ratio=math.inf)
+    plain, _, _ = robust_average(honest, weights[:3], [None] * 3, SHAPE, off)
     torch.testing.assert_close(calm, plain)
     scaled = honest[0] * 90
     result, notes, left_out = robust_average([*honest, scaled], weights, [None] * 4, SHAPE, policy)
@@ -128,8 +142,15 @@ def test_norm_clipping_scales_a_part_large_for_its_weight_down_to_the_limit_and_
     # the scaled part counts as honest[0] at 1.5 times its norm (the median norm per token is 1 / 1000)
     expected, _, _ = robust_average([*honest, honest[0] * 1.5], weights, [None] * 4, SHAPE, policy)
     torch.testing.assert_close(result, expected)
-    unclipped, _, _ = robust_average([*honest, scaled], weights, [None] * 4, SHAPE, RobustPolicy(clip_ratio=100.0))
-    assert float((result - calm).norm()) < 0.5 * float((unclipped - calm).norm())
+    unclipped, _, _ = robust_average([*honest, scaled], weights, [None] * 4, SHAPE, off)
+    assert float((result - calm).norm()) < 0.05 * float((unclipped - calm).norm())
+    # honest parts of unequal tokens are not cut: fewer tokens give a larger norm per token but not a larger norm
+    # (an outer gradient's norm grows slower than its tokens), more tokens a larger norm but not per token
+    unequal = [honest[0] * 0.6, honest[1], honest[2] * 2.0]
+    uneven_weights = [300.0, 1000.0, 4000.0]
+    kept, notes, _ = robust_average(unequal, uneven_weights, [None] * 3, SHAPE, policy)
+    assert notes == {}
+    torch.testing.assert_close(kept, robust_average(unequal, uneven_weights, [None] * 3, SHAPE, off)[0])
 
 
 def test_declared_weights_are_clamped_to_published_progress_and_to_the_median():
@@ -200,7 +221,8 @@ def test_robust_reducer_keeps_hivemind_part_order_and_reports_rejections():
 
     averaged = asyncio.run(run())
     torch.testing.assert_close(averaged[0], _clipped_mean(parts[0], [1.0, 1.0, 1.0], POLICY.clip_ratio))
-    torch.testing.assert_close(averaged[1], (parts[1][0] + parts[1][1]) / 2)
+    kept = _norm_clipped([parts[1][0], parts[1][1]], [1.0, 1.0])
+    torch.testing.assert_close(averaged[1], (kept[0] + kept[1]) / 2)
     assert [(s, out) for s, _, out in reports] == [(2, True)] and "median" in reports[0][1]
 
 

@@ -23,6 +23,7 @@ from p2p_diloco.core.swarm_view import NORM_MIN_ROUNDS, NORM_WINDOW, OuterNorms,
 
 SHAPE = torch.Size([4096])
 POLICY = RobustPolicy()
+NO_NORM_CLIP = RobustPolicy(norm_clip_ratio=math.inf)
 
 
 def _honest(index: int) -> torch.Tensor:
@@ -120,7 +121,11 @@ def test_before_the_swarm_published_norms_our_own_norm_scaled_to_the_swarms_toke
     own = _honest(0)
     push = _pushed(90, own)
     parts = [own, _honest(1), push, push.clone()]
-    result, _, left_out = robust_average(parts, [1000.0] * 4, [None] * 4, SHAPE, POLICY, own=0)
+    # the norm clip (on by default) now cuts both pushes to the lower median norm, an honest one: checked here with
+    # it off, as for colluders that get past it (three of four would: the lower median would be theirs)
+    clipped, _, _ = robust_average(parts, [1000.0] * 4, [None] * 4, SHAPE, POLICY, own=0)
+    assert float(clipped.norm()) < 2 * float(own.norm())
+    result, _, left_out = robust_average(parts, [1000.0] * 4, [None] * 4, SHAPE, NO_NORM_CLIP, own=0)
     assert not left_out and float(result.norm()) > 30 * float(own.norm())  # half pushed: the centre moves with them
     assert result_problem(result, own, POLICY, 1.0, [float(p.norm()) for p in parts]) is None
     live = {peer: {} for peer in ("h1", "h2", "c0", "c1")}  # nothing published: no swarm reference
