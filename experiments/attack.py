@@ -207,6 +207,17 @@ def loss_at_tokens(curve: list[tuple[int, float, int]], tokens: int) -> tuple[in
     return max(within) if within else None
 
 
+def loss_interpolated(curve: list[tuple[int, float, int]], tokens: int) -> float | None:
+    """The held-out loss at exactly ``tokens`` honest tokens, linear in tokens between the two evaluations around
+    them (None outside the curve). ``loss_at_tokens`` takes the last evaluation at or under them, so two runs compare
+    up to an outer step apart, a step's progress (2-3% of the loss in mid-run) of noise from the grid alone."""
+    points = sorted((seen, loss) for _, loss, seen in curve)
+    for (seen_a, loss_a), (seen_b, loss_b) in zip(points, points[1:]):
+        if seen_a <= tokens <= seen_b:
+            return loss_a if seen_b == seen_a else loss_a + (loss_b - loss_a) * (tokens - seen_a) / (seen_b - seen_a)
+    return points[0][1] if len(points) == 1 and points[0][0] == tokens else None
+
+
 def _non_finite(folder: Path, honest: dict[str, list[dict]]) -> bool:
     """Any non-finite eval loss, or any non-finite global param or momentum in an honest peer's last checkpoint."""
     if any(r.get("eval_loss") is not None and not math.isfinite(r["eval_loss"]) for recs in honest.values() for r in recs):
@@ -245,6 +256,14 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     at_equal = {id(r): loss_at_tokens([tuple(point) for point in r.get("eval_curve", [])], equal) for r in results}
     calm_at_equal = [at_equal[id(r)][1] for r in calms if at_equal[id(r)] is not None]
     base_equal = sum(calm_at_equal) / len(calm_at_equal) if calm_at_equal else None
+    # interpolated: at the fewest honest tokens any run had evaluated at (a run's last records come after its last
+    # evaluation, so its total can lie past its curve)
+    reached = [max(point[2] for point in r["eval_curve"]) for r in results if r.get("eval_curve")]
+    equal_between = min(reached) if reached else 0
+    between = {id(r): loss_interpolated([tuple(point) for point in r.get("eval_curve", [])], equal_between)
+               for r in results}
+    calm_between = [between[id(r)] for r in calms if between[id(r)] is not None]
+    base_between = sum(calm_between) / len(calm_between) if calm_between else None
     rows = []
     for result in results:
         loss = result["final_eval_loss"]
@@ -264,6 +283,10 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             outer_step_at_equal_tokens=point[0] if point else None,
             eval_loss_at_equal_tokens=point[1] if point else None,
             vs_calm_at_equal_tokens=round((point[1] - base_equal) / base_equal, 4) if point and base_equal else None,
+            interpolated_tokens=equal_between,
+            eval_loss_interpolated=between[id(result)],
+            vs_calm_interpolated=round((between[id(result)] - base_between) / base_between, 4)
+            if between[id(result)] is not None and base_between else None,
             honest_non_finite=result["honest_non_finite"],
             attacker_chosen_states=len(result.get("attacker_chosen_states", [])),
             invariant_1=result["invariant_1"]["held"],
@@ -297,9 +320,9 @@ def _run_with_retries(name: str, run: str, out_dir: Path, flags: list[str], args
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     head = ("| attack | outer steps | eval loss | vs calm | honest tokens | vs calm at equal honest tokens (step) "
-            "| honest non-finite | states an attacker chose, held by honest peers | invariant 1 | delay (s) "
+            "| the same, interpolated | honest non-finite | states an attacker chose, held by honest peers | invariant 1 | delay (s) "
             "| failed honest rounds | stale honest rounds | adversary named |")
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for row in rows:
         change = f"{100 * row['eval_loss_vs_calm']:+.2f}%" if row["eval_loss_vs_calm"] is not None else "-"
         loss = f"{row['eval_loss']:.4f}" if row["eval_loss"] is not None else "-"
@@ -307,8 +330,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         tokens = f"{row['honest_tokens']:,}" if row.get("honest_tokens") else "-"
         equal = row.get("vs_calm_at_equal_tokens")
         equal = f"{100 * equal:+.2f}% ({row['outer_step_at_equal_tokens']})" if equal is not None else "-"
+        between = row.get("vs_calm_interpolated")
+        between = f"{100 * between:+.2f}%" if between is not None else "-"
         lines.append(
-            f"| {row['run']} | {row['final_outer_step']} | {loss} | {change} | {tokens} | {equal} | {row['honest_non_finite']} | "
+            f"| {row['run']} | {row['final_outer_step']} | {loss} | {change} | {tokens} | {equal} | {between} | {row['honest_non_finite']} | "
             f"{row.get('attacker_chosen_states', '-')} | {'held' if row['invariant_1'] else 'VIOLATED'} | {row['delay_s']} | {row['honest_failed_rounds']} | "
             f"{row.get('honest_stale_rounds', '-')} | {named} |"
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.attack import compare, eval_curve, loss_at_tokens
+from experiments.attack import compare, eval_curve, loss_at_tokens, loss_interpolated
 
 
 def _record(step: int, when: float, tokens: int, loss: float | None = None, status: str = "ok") -> dict:
@@ -26,6 +26,15 @@ def test_the_loss_at_equal_tokens_is_the_last_evaluation_within_them():
     assert loss_at_tokens(curve, 670) == (3, 2.0)
     assert loss_at_tokens(curve, 669) == (2, 2.5)
     assert loss_at_tokens(curve, 99) is None
+
+
+def test_the_interpolated_loss_lies_between_the_evaluations_around_the_tokens():
+    curve = [(1, 3.0, 100), (2, 2.5, 300), (3, 2.0, 700)]
+    assert loss_interpolated(curve, 200) == pytest.approx(2.75)
+    assert loss_interpolated(curve, 600) == pytest.approx(2.125)  # a quarter of the way back from 2.0 to 2.5
+    assert loss_interpolated(curve, 300) == pytest.approx(2.5) and loss_interpolated(curve, 700) == pytest.approx(2.0)
+    assert loss_interpolated(curve, 99) is None and loss_interpolated(curve, 701) is None
+    assert loss_interpolated([(4, 2.2, 500)], 500) == 2.2 and loss_interpolated([], 500) is None
 
 
 def _result(scenario: str, run: str, loss: float, tokens: int, curve: list) -> dict:
@@ -50,3 +59,8 @@ def test_rows_compare_at_the_last_step_and_at_the_shortest_runs_honest_tokens():
     assert rows["calm"]["outer_step_at_equal_tokens"] == 9 and rows["nan"]["outer_step_at_equal_tokens"] == 10
     assert rows["nan"]["vs_calm_at_equal_tokens"] == pytest.approx(0.005 / 2.2, abs=1e-4)
     assert rows["calm2"]["vs_calm_at_equal_tokens"] == 0.0
+    # interpolated at 900 (the fewest tokens a run evaluated at): calm 2.2 + (2.0 - 2.2) * 100 / 200 = 2.1, calm2
+    # 2.2 (both evaluations at 2.2), nan 2.205: against the calm mean 2.15
+    assert {row["interpolated_tokens"] for row in rows.values()} == {900}
+    assert rows["calm"]["vs_calm_interpolated"] == pytest.approx(-0.05 / 2.15, abs=1e-4)
+    assert rows["nan"]["vs_calm_interpolated"] == pytest.approx(0.055 / 2.15, abs=1e-4)
