@@ -252,9 +252,13 @@ class DilocoAverager(DecentralizedAverager):
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind reads RPC streams from typing.AsyncIterator only
-        # counted apart from the averaging messages: a peer's wire bytes are its rounds' plus the states it served
-        self.traffic.add_state_served()
+        # counted apart from the averaging messages: a peer's wire bytes are its rounds' plus the states it served. A
+        # state counts once its first message goes out (a peer that does not share states answers with none)
+        first = True
         async for message in metered(super().rpc_download_state(request, context), self.traffic.add_state_bytes):
+            if first:
+                self.traffic.add_state_served()
+                first = False
             yield message
 
     def load_state_excluding(

@@ -92,7 +92,7 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
             len(self.sender_peer_ids),
             guard.policy,
             [guard.allowed.get(name) for name in names],
-            lambda sender, reason, left_out: guard.reject(names[sender], reason, left_out, kept=not left_out),
+            lambda sender, reason, left_out: guard.reject(names[sender], reason, "left out" if left_out else "limited"),
             own=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
         )
         # hivemind registers each reducer's result in its container; check it there first, whoever the reducer is
@@ -150,11 +150,11 @@ class RoundGuard:
         found = [norms[part] for norms in self.part_norms if len(norms) == parts]
         return found if found and 2 * len(found) >= len(self.part_norms) else None
 
-    def reject(self, peer: str, reason: str, left_out: bool = False, kept: bool = False) -> None:
-        """Note what ``peer`` sent wrong; ``kept``: its part was cut to a limit and still counts (an honest peer's
-        part is cut now and then, design.md §7), which the log says apart from a part left out or an average refused."""
-        if left_out:
+    def reject(self, peer: str, reason: str, action: str = "refused") -> None:
+        """Note what ``peer`` sent wrong and what we did: "refused" its average, "left out" its part, or "limited" its
+        part (cut to a limit, still counted: an honest peer's part is cut now and then, design.md §7)."""
+        if action == "left out":
             self.left_out.add(peer)
         if peer not in self.rejected:
-            logger.warning("%s %s: %s", "limited" if kept else "left out" if left_out else "refused", peer, reason)
+            logger.warning("%s %s: %s", action, peer, reason)
             self.rejected[peer] = reason
