@@ -24,17 +24,25 @@ BYTES_SCRIPT, SWARM = ROOT / "scripts" / "portable_bytes.py", ROOT / "scripts" /
 NONPORTABLE_PEER = Path(__file__).resolve().parent / "nonportable_peer.py"
 
 
-def _bytes_under(capability: str, threads: int) -> dict:
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    done = subprocess.run([sys.executable, str(BYTES_SCRIPT), "--threads", str(threads)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _bytes_under_each(settings: list[tuple[str, int]]) -> list[dict]:
+    """scripts/portable_bytes.py once per (kernel set, threads), all at once (each run is alone in its process)."""
+    runs = [subprocess.Popen([sys.executable, str(BYTES_SCRIPT), "--threads", str(threads)],
+                             env=dict(os.environ, ATEN_CPU_CAPABILITY=capability),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for capability, threads in settings]
+    try:
+        outputs = [run.communicate(timeout=200) for run in runs]
+    finally:
+        for run in runs:
+            run.kill()
+            run.wait()
+    for run, (_, stderr) in zip(runs, outputs, strict=True):
+        assert run.returncode == 0, stderr[-2000:]
+    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
 
 
 @pytest.mark.timeout(300)
 def test_shared_state_has_the_same_bytes_under_every_cpu_kernel_set_and_thread_count():
-    runs = [_bytes_under(capability, threads) for capability in ("default", "avx2", "avx512") for threads in (1, 2)]
+    runs = _bytes_under_each([(capability, threads) for capability in ("default", "avx2", "avx512") for threads in (1, 2)])
     kernels = {run["capability"] for run in runs}  # a capability the CPU lacks falls back to the best it has
     if kernels == {"DEFAULT"}:
         pytest.skip("this CPU has no vector kernel set in torch: nothing to compare the default kernels with")
