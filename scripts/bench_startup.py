@@ -2,8 +2,8 @@
 ``python scripts/bench_startup.py --out runs/startup [--runs 3] [-- extra peer flags]``.
 
 1. The imports a peer makes, each timed in CPU seconds in one fresh interpreter, in the order a peer makes them:
-   torch; the first ``torch.optim`` optimizer (it loads ``torch._dynamo``); the int8 codec (bitsandbytes, through
-   ``compression.bitsandbytes_functional``); hivemind.
+   torch; the first ``torch.optim`` optimizer (it loads ``torch._dynamo``); the int8 codec (``make_codec``, which
+   imports bitsandbytes); hivemind.
 2. One peer alone (``LocalSwarm``: the default model unless the extra flags say otherwise, ``--max-outer-steps 1``,
    ``--inner-steps 20``), ``--runs`` times one after the other: the seconds from its launch to its first metrics
    record (the init record: imports, model, data, DHT, ``p2pd`` and the reachability probe done) and to its exit.
