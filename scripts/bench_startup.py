@@ -44,9 +44,10 @@ print(json.dumps(cpu))
 def import_cpu_s() -> dict[str, float]:
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, timeout=300, cwd=root)
-    if done.returncode != 0:
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
         raise RuntimeError(f"timing the imports failed: {done.stderr.strip().splitlines()[-1:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(lines[-1])
 
 
 def one_start(out_dir: Path, flags: list[str]) -> dict[str, float]:
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> int:
             runs.append(one_start(args.out / f"run{index}", flags))
             print(f"run {index}: first record after {runs[-1]['first_record_s']:.2f} s, "
                   f"exit after {runs[-1]['exit_s']:.2f} s", flush=True)
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:
         print(f"bench_startup.py: error: {e}", file=sys.stderr)
         return 1
     median = statistics.median(run["first_record_s"] for run in runs)

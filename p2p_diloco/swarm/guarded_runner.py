@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
@@ -150,7 +150,7 @@ class RoundGuard:
         found = [norms[part] for norms in self.part_norms if len(norms) == parts]
         return found if found and 2 * len(found) >= len(self.part_norms) else None
 
-    def reject(self, peer: str, reason: str, action: str = "refused") -> None:
+    def reject(self, peer: str, reason: str, action: Literal["refused", "left out", "limited"] = "refused") -> None:
         """Note what ``peer`` sent wrong and what we did: "refused" its average, "left out" its part, or "limited" its
         part (cut to a limit, still counted: an honest peer's part is cut now and then, design.md §7)."""
         if action == "left out":
