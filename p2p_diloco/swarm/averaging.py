@@ -1,6 +1,6 @@
 """Exact, compressed, leaderless averaging over hivemind's butterfly all-reduce.
 
-hivemind 1.1.12 has three behaviours we cannot accept (docs/design.md §6), fixed here by subclassing small
+hivemind 1.1.12 has behaviours we cannot accept (docs/design.md §6), fixed here by subclassing small
 pieces of it rather than copying it:
 
 1. *Peers get different averages.* A reducer sends each sender ``average - sender's part`` and keeps the
@@ -14,6 +14,11 @@ pieces of it rather than copying it:
    (``core/compression.py``) are registered in hivemind's codec registry (``swarm/wire.py``) for the wire types they use.
 4. *The garbage collector ends a cancelled search half-way.* Every task of the averager's loop is kept referenced
    until it ends (``search.hold_tasks``).
+5. *One sender that gives up wedges a reducer for everyone.* Every sender of a part awaits the same future, bare:
+   the first whose RPC is cancelled cancels it for all of them, the part never completes, and the round hangs
+   until its timeout. Here each sender waits on a shield of it (``PartReducer``).
+6. *A stop in mid-round ends the averager's thread with a traceback* (its shutdown takes the futures it keeps of
+   running groups for runners). ``DilocoAverager._shutdown`` finalizes the runners and cancels the futures.
 
 This module does not decide *when* to average or what to do with the result: that is the learner's job.
 """
@@ -34,7 +39,7 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -51,6 +56,32 @@ from p2p_diloco.swarm.wire import MeteredStub, TrafficCounters, WireCodec, insta
 
 logger = logging.getLogger(__name__)
 
+
+class _SharedPartFuture(asyncio.Future):
+    """The future every sender of one part awaits: a sender whose wait is cancelled leaves it to the others."""
+
+    def __await__(self):
+        if self.done():
+            return (yield from super().__await__())
+        return (yield from asyncio.shield(self).__await__())
+
+
+class PartReducer(TensorPartReducer):
+    """hivemind's reducer, except that a sender cancelled while it waits for a part does not cancel the part.
+
+    hivemind's ``accumulate_part`` ends in ``await current_part_future``, shared by all the part's senders; when a
+    sender's RPC is cancelled (its peer gave up on the round) asyncio cancels that shared future too, every other
+    sender of the part gets ``CancelledError``, the last one's ``set_result`` raises ``InvalidStateError``, and the
+    round hangs until its timeout (docs/design.md §6; seen in CI with a peer that left a round after one part).
+    Only ``finalize`` cancels a part now. The sender that left is dropped as before (``_ban_sender``).
+    """
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():  # nothing refers to the part's new future yet: replace it
+            self.current_part_future = _SharedPartFuture()
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose result is bit-identical on every peer of the group.
 
@@ -63,9 +94,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         super().__init__(**kwargs)
         self._wire_codec, self._traffic, self._feedback = wire_codec, traffic, feedback
         self._encoded_results: dict[int, asyncio.Future] = {}
+        self.tensor_part_reducer.finished.set()  # hivemind's reducer is replaced unused: no "0% received" warning
+        self.tensor_part_reducer = self._make_reducer()
         # our parts' place among all the parts of the averaging: what a reducer's residual is kept under
         own = self.ordered_peer_ids.index(self.peer_id) if self.peer_id in self.ordered_peer_ids else 0
         self._first_part = sum(self.tensor_part_container.num_parts_by_peer[:own])
+
+    def _make_reducer(self) -> PartReducer:
+        return PartReducer(tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids))
 
     @property
     def lost_values(self) -> int:
@@ -173,6 +209,17 @@ class DilocoAverager(DecentralizedAverager):
         # if shutdown() did not (SwarmLink.close does)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         super().run()
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        # hivemind's calls finalize() on what it keeps of each running group, which is a future of its runner (and
+        # finalize returns nothing to wait for): a stop in mid-round ended the averager's thread with a traceback
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for future in list(self._running_groups.values()):
+            if not future.done():
+                future.cancel()  # matched, runner not built yet: a groupmate's part waiting for it gets nothing
+            elif not future.cancelled() and future.exception() is None:
+                future.result().finalize(cancel=True)
 
     async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
         # the group's order decides which peer reduces which part; hivemind's leader shuffles it. Every member puts

@@ -1,6 +1,6 @@
 """The runner of a guarded all-reduce (guarded.py): robust reducers and checked results, one all-reduce at a time.
 
-- ``RobustPartReducer`` (hivemind's ``TensorPartReducer``): holds each sender's part aside and, when the part is
+- ``RobustPartReducer`` (hivemind's ``TensorPartReducer``, through averaging.PartReducer): holds each sender's part aside and, when the part is
   complete, averages only the acceptable ones (``robust.robust_average``), with weights clamped to the limits the
   round was given. hivemind's own bookkeeping (part order, late and banned senders) runs unchanged on a zero
   placeholder.
@@ -17,16 +17,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from hivemind.averaging.partition import AllreduceException, TensorPartReducer
+from hivemind.averaging.partition import AllreduceException
 
 from p2p_diloco.core.robust import RobustPolicy, result_excess, result_problem, robust_average
-from p2p_diloco.swarm.averaging import ExactAllReduceRunner
+from p2p_diloco.swarm.averaging import ExactAllReduceRunner, PartReducer
 
 logger = logging.getLogger(__name__)
 _PLACEHOLDER = torch.zeros(())  # what hivemind's accumulator adds (times weight 0) while we hold the real part
 
 
-class RobustPartReducer(TensorPartReducer):
+class RobustPartReducer(PartReducer):
     """A reducer that averages each part over the senders that pass the checks of robust.py.
 
     ``allowed[i]``: tokens sender i's published progress supports (None: no limit known); ``report(i, reason,
@@ -83,11 +83,19 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
     """
 
     def __init__(self, *, guard: RoundGuard, **kwargs: Any):
+        self.guard = guard  # before the runner builds its reducer (_make_reducer)
         super().__init__(**kwargs)
-        self.guard = guard
+        # hivemind registers each reducer's result in its container; check it there first, whoever the reducer is
+        container = self.tensor_part_container
+        # how many values each position's share holds (hivemind consumes its parts as it sends them)
+        self.share_values = tuple(sum(int(part.numel()) for part, _ in parts) for parts in container._input_parts_by_peer)
+        self._register_unchecked = container.register_processed_part
+        container.register_processed_part = self._register_checked
+
+    def _make_reducer(self) -> RobustPartReducer:
         names = [peer.to_base58() for peer in self.sender_peer_ids]
-        self.tensor_part_reducer.finished.set()  # the reducer hivemind built is replaced unused: no "0% received" warning
-        self.tensor_part_reducer = RobustPartReducer(
+        guard = self.guard
+        return RobustPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
             guard.policy,
@@ -95,12 +103,6 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
             lambda sender, reason, left_out: guard.reject(names[sender], reason, "left out" if left_out else "limited"),
             own=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
         )
-        # hivemind registers each reducer's result in its container; check it there first, whoever the reducer is
-        container = self.tensor_part_container
-        # how many values each position's share holds (hivemind consumes its parts as it sends them)
-        self.share_values = tuple(sum(int(part.numel()) for part, _ in parts) for parts in container._input_parts_by_peer)
-        self._register_unchecked = container.register_processed_part
-        container.register_processed_part = self._register_checked
 
     def _register_checked(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
         container = self.tensor_part_container
