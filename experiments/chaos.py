@@ -226,13 +226,18 @@ def analyse(run: dict[str, Any], averaging_timeout_s: float) -> dict[str, Any]:
                 start, end = before["unix_time"], after["unix_time"]
                 if any(start < w_end and end > w_start for w_start, w_end in windows[name]):
                     continue  # the peer's own fault or recovery: not a survivor then
+                if end > run["ended"]:
+                    continue  # the harness was stopping the peers: a last round that waits for them is no fault's cost
                 compute += after["compute_s"] - before["compute_s"]
                 wall += end - start
                 stall = max(stall, after.get("longest_block_s", 0.0))
                 blocked_s += after.get("interval_blocked_s", 0.0)
         longest_stall[name] = round(stall, 2)
         blocked[name] = round(blocked_s, 2)
-    total_compute = sum(life[-1]["compute_s"] for peer_records in records.values() for life in split_lives(peer_records))
+    total_compute = sum(  # within the run: what a peer computed while the harness stopped it is past its end
+        max((r["compute_s"] for r in life if r["unix_time"] <= run["ended"]), default=0.0)
+        for peer_records in records.values() for life in split_lives(peer_records)
+    )
     numbers = [
         v for peer_records in records.values() for r in peer_records for v in (r.get("loss"), r.get("eval_loss"))
         if v is not None

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from p2p_diloco.core import history
 from p2p_diloco.core.link import AveragingOutcome, RoundView
@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 NEAR_PERIODS = 3  # within this many idle periods of a round's end (or of a change), progress records go fast
 CLAIMS_TO_BAN = 3  # checks at which a peer may be found making an unbacked claim before it is banned (history.py)
 MEMORY_PERIODS = 2  # idle periods for which a peer a read showed live counts as unseen, not gone, when a read lacks it
+QUIET_SLACK_S = 2.0  # beyond its horizon, how long a peer's record may go unrenewed before a group stops waiting for it
 BAD_STATES_TO_BAN = 2  # states a donor may serve that do not verify before it is banned
 PLAN_FIELDS = frozenset({"round_budget", "round_deadline"})  # what ends a peer's round; read by the others' pace
 # a peer publishes the largest norm of its last this many outer gradients per fragment: a round that began just after
@@ -137,6 +138,15 @@ class SwarmView:
 
     def horizon(self, record: Mapping) -> float:
         return horizon_s(record, self.fast_s, self.idle_s, self.period_now_s)
+
+    def group_target(self, live: Mapping[str, dict], silent_s: Callable[[str], float]) -> tuple[int, list[str]]:
+        """How many peers a group of ours waits for, ourselves included, and the live peers it does not wait for:
+        those whose record no read of ours found renewed for longer than its horizon plus ``QUIET_SLACK_S`` (a
+        peer killed or frozen; its record lives until it expires, ttl 20 s by default). Waiting for one costs every
+        round the whole matchmaking time (docs/design.md §4, Groups). A quiet peer that comes back is counted again at once;
+        if it is merely slow, it can still join a group that is not yet full."""
+        quiet = sorted(peer for peer, record in live.items() if silent_s(peer) > self.horizon(record) + QUIET_SLACK_S)
+        return 1 + len(live) - len(quiet), quiet
 
     def round_view(self, records: Mapping[str, dict], round_index: int, now: float) -> RoundView:
         """The others' progress in ``round_index``, the senders our reducer left out excepted (their tokens add

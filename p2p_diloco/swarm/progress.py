@@ -328,11 +328,28 @@ class ProgressReader:
         self._renewed: set[str] = set()  # peers whose record was renewed here between local reads since the last DHT read
         self._introduced: dict[str, float] = {}  # peer -> when (monotonic) it was last pinged
         self.introductions = 0  # peers pinged because they did not push to us
+        # peer -> (its record's expiration at the latest read, when (monotonic, ours) a read first saw that one): a
+        # record renewed carries a later expiration, so a peer's silence is timed on our clock, not on its
+        self._renewal: dict[str, tuple[float, float]] = {}
+
+    def silent_s(self, peer: str) -> float:
+        """Seconds since a read of ours found ``peer``'s record renewed (0 for a peer not read yet)."""
+        seen = self._renewal.get(peer)
+        return 0.0 if seen is None else max(0.0, time.monotonic() - seen[1])
+
+    def _note_renewals(self, items: dict[str, tuple[dict, float]]) -> None:
+        now, before = time.monotonic(), self._renewal
+        renewal = {}
+        for peer, (_, expiration) in items.items():
+            seen = before.get(peer)
+            renewal[peer] = seen if seen is not None and expiration <= seen[0] else (expiration, now)
+        self._renewal = renewal
 
     def __call__(self) -> dict[str, dict]:
         if self._push and self._local_reads < DHT_EVERY - 1:
             items = read_progress_items(self._dht, self._key, local=True)
             items.pop(self._own, None)
+            self._note_renewals(items)
             self._local_reads += 1
             for peer, (_, expiration) in items.items():
                 if expiration > self._expirations.get(peer, math.inf):
@@ -344,6 +361,7 @@ class ProgressReader:
         self._local_reads = 0
         items = read_progress_items(self._dht, self._key)
         items.pop(self._own, None)
+        self._note_renewals(items)
         if self._push:
             self._introduce(items)
             self._renewed, self._expirations = set(), {}

@@ -256,8 +256,11 @@ class SwarmLink:
         self._norms.sent(fragment, own_norm)
         if self._beacon is not None:  # the others' reference for a group average
             self._beacon.update(outer_norms=self._norms.published())
+        target, quiet = self.view.group_target(live, self._reader.silent_s)
+        if quiet:
+            logger.debug("not waiting for %s: no renewed progress record of late", ", ".join(quiet))
         outcome = run_averaging(
-            averager, tensors, weight, outer_step, self.config.averaging_timeout_s, 1 + len(live),
+            averager, tensors, weight, outer_step, self.config.averaging_timeout_s, target,
             lambda: self._moved_past(outer_step), base=str(base) if base else None,
             part_norms=part_norms_of(tensors, averager.wire_codec.part_values),
         )

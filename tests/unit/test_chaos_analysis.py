@@ -26,7 +26,9 @@ def _write(tmp_path, name, records):
 
 def test_goodput_leaves_out_the_victims_fault_window_and_times_its_return(tmp_path):
     survivor = [_record(0, 0, "init"), _record(10, 1, compute=9.0, block=0.5), _record(20, 2, compute=18.0, block=2.0),
-                _record(30, 3, compute=27.0, eval_loss=2.5)]
+                _record(30, 3, compute=27.0, eval_loss=2.5),
+                # after the run's end, its last round waits for peers the harness is stopping: not counted
+                _record(45, 3, "no_group", compute=27.5, block=15.0)]
     victim = [_record(0, 0, "init"), _record(10, 1, compute=9.5),
               # killed at 12, restarted at 17; resumed; first contribution at 24
               _record(18, 1, "init", compute=0.0, reason="resumed from ckpt/outer_step_00000001.pt"),

@@ -161,3 +161,25 @@ def test_without_push_every_read_asks_the_dht_and_nobody_is_pinged(monkeypatch):
     read = _reader(swarm, False, monkeypatch)
     assert all(set(read()) == {"a", "b"} for _ in range(3))
     assert swarm.reads == [False] * 3 and swarm.pinged == []
+
+
+def test_a_peer_is_silent_from_the_last_read_that_found_its_record_renewed(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("p2p_diloco.swarm.progress.time.monotonic", lambda: clock[0])
+    local = {"a": dict(round=1), "b": dict(round=1)}
+    swarm = _Swarm(local, dict(local), pushing={"a", "b"})
+    read = _reader(swarm, True, monkeypatch)
+    assert read.silent_s("a") == 0.0  # not read yet
+    read()
+    clock[0] = 3.0
+    read()  # both renewed (a later expiration)
+    swarm.pushing.discard("b")  # b is killed: its pushes stop, its record stays until it expires
+    for t in (4.0, 5.0, 6.5):
+        clock[0] = t
+        read()
+    assert read.silent_s("a") == 0.0 and read.silent_s("b") == 6.5 - 3.0
+    clock[0] = 7.0
+    assert read.silent_s("b") == 4.0  # silence keeps growing between reads
+    swarm.pushing.add("b")  # back (thawed): the next read that finds it renewed resets its silence
+    read()
+    assert read.silent_s("b") == 0.0

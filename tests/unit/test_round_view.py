@@ -104,3 +104,21 @@ def test_at_the_planned_end_only_peers_we_count_are_waited_for_as_behind():
     view.history_banned, view.shunned = frozenset({"claimer"}), frozenset({"shunned"})
     assert view.behind(records, 16) == 2  # "slow" and the record with no step yet
     assert view.behind(records, 14) == 1
+
+
+def test_a_group_does_not_wait_for_a_peer_whose_record_went_quiet():
+    view = SwarmView("me", fast_s=1.0, idle_s=5.0)
+    records = {
+        "training": dict(round=3, period=1.0),
+        "killed": dict(round=3, period=1.0),  # its record lives on until it expires
+        "idle": dict(round=3, period=5.0),  # publishes every 5 s while its round's end is far
+        "liar": dict(round=3, period=1e9),  # a period past the idle one counts as the idle one
+    }
+    silent = {"training": 0.8, "killed": 4.5, "idle": 9.0, "liar": 12.5}
+    # horizon: two periods (at least ours, at most the idle one), then 2 s of slack
+    assert view.group_target(records, silent.__getitem__) == (1 + 4 - 2, ["killed", "liar"])
+    silent["killed"] = 3.9  # within 2 x 1 s + 2 s: still waited for
+    assert view.group_target(records, silent.__getitem__) == (1 + 4 - 1, ["liar"])
+    view.period_now_s = 5.0  # our own reads come every 5 s: a renewal may show that late
+    silent["killed"] = 11.9
+    assert view.group_target(records, silent.__getitem__) == (1 + 4 - 1, ["liar"])
