@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -126,8 +128,7 @@ class BlockwiseInt8Codec:
         self.block_size = block_size
 
     def encode(self, values: torch.Tensor) -> bytes:
-        from bitsandbytes.functional import quantize_blockwise
-
+        quantize_blockwise = bitsandbytes_functional().quantize_blockwise
         flat = values.detach().to(torch.float32).contiguous().view(-1)
         if flat.numel() == 0:
             return b""
@@ -159,8 +160,7 @@ class BlockwiseNF4Codec:
         self.block_size = block_size
 
     def encode(self, values: torch.Tensor) -> bytes:
-        from bitsandbytes.functional import quantize_4bit
-
+        quantize_4bit = bitsandbytes_functional().quantize_4bit
         flat = values.detach().to(torch.float32).contiguous().view(-1)
         if flat.numel() == 0:
             return b""
@@ -361,7 +361,43 @@ def make_codec(name: str) -> Codec:
     if name not in codecs:
         raise ValueError(f"unknown compression {name!r}; choose one of {', '.join(codecs)}")
     if name in ("int8", "int4"):
-        # the first import of bitsandbytes takes seconds (it sets up compiled kernels): pay it when the codec
-        # is made, at start-up and before the averager process forks, not at the first round inside training
-        import bitsandbytes.functional  # noqa: F401
+        # import bitsandbytes when the codec is made, at start-up and before the averager process forks, not at
+        # the first round inside training
+        bitsandbytes_functional()
     return codecs[name]()
+
+
+def bitsandbytes_functional() -> ModuleType:
+    """``bitsandbytes.functional``, imported without loading torch's compiler. bitsandbytes wraps a few kernels of
+    its default backend in ``torch.compile`` as it is imported, and ``torch.compile`` imports the whole compiler
+    stack at once: 1.3-1.5 s of CPU, a quarter of a peer's start-up (docs/benchmarks.md, "Start-up"). The
+    encoders here call none of those kernels; one that is called is compiled at its first call, as it would be
+    anyway (torch compiles lazily; only the import moves)."""
+    module = sys.modules.get("bitsandbytes.functional")
+    if module is not None:
+        return module
+    compile_now = torch.compile
+    torch.compile = _compile_at_first_call(compile_now)
+    try:
+        import bitsandbytes.functional as module
+    finally:
+        torch.compile = compile_now
+    return module
+
+
+def _compile_at_first_call(compile_now: Callable) -> Callable:
+    def compile_later(model: Callable | None = None, **options):
+        if model is None:  # used as @torch.compile(**options)
+            return lambda fn: compile_later(fn, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return compile_later

@@ -41,3 +41,29 @@ def test_the_block_is_real():
     blocked = "import sys; sys.modules['hivemind'] = None; import p2p_diloco.swarm.joining"
     result = subprocess.run([sys.executable, "-c", blocked], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "import of hivemind halted" in result.stderr
+
+
+COMPILER_SCRIPT = """
+import sys, torch
+from p2p_diloco.core.compression import make_codec
+from p2p_diloco.core.config import PeerConfig
+from p2p_diloco.core.link import LocalLink
+from p2p_diloco.observe.metrics import NullSink
+from p2p_diloco.train.data import open_dataset
+from p2p_diloco.train.learner import Learner
+import p2p_diloco.swarm.swarm_link
+for name in ("int8", "int4"):
+    codec = make_codec(name)
+    assert codec.decode(codec.encode(torch.ones(300)), 300).allclose(torch.ones(300))
+config = PeerConfig()
+Learner(config, open_dataset(config.data, 32, 2, 0), NullSink()).inner_step(LocalLink())
+print(sorted(name for name in ("torch._inductor.compile_fx", "torch._inductor.lowering") if name in sys.modules))
+"""
+
+
+def test_a_peer_codec_and_inner_step_do_not_load_torch_compiler():
+    """docs/benchmarks.md, "Start-up": bitsandbytes' import no longer loads torch's compiler (its code
+    generation: a quarter of a peer's start-up CPU), and the codecs still encode and decode."""
+    result = subprocess.run([sys.executable, "-c", COMPILER_SCRIPT], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout

@@ -205,3 +205,30 @@ def test_the_reducers_feedback_is_used_only_in_the_next_round_of_the_same_fragme
     feedback.commit()
     feedback.begin(10)
     assert feedback.encode(0, mean) == codec.encode(mean + residual)  # step 8's
+
+
+def test_a_kernel_wrapped_while_bitsandbytes_imports_is_compiled_at_its_first_call_only():
+    """compression._compile_at_first_call stands in for torch.compile while bitsandbytes is imported: both ways
+    of decorating keep the function and its options, and nothing is compiled until it is called, then once."""
+    from p2p_diloco.core.compression import _compile_at_first_call
+
+    compiled = []
+
+    def compile_now(fn, **options):
+        compiled.append((fn.__name__, options))
+        return lambda *args, **kwargs: ("compiled", fn(*args, **kwargs))
+
+    compile_later = _compile_at_first_call(compile_now)
+
+    @compile_later(dynamic=False)
+    def double(x):
+        return 2 * x
+
+    def square(x):
+        return x * x
+
+    square_later = compile_later(square)
+    assert compiled == [] and double.__name__ == "double" and square_later.__name__ == "square"
+    assert double(3) == ("compiled", 6) and double(4) == ("compiled", 8)
+    assert compiled == [("double", {"dynamic": False})]
+    assert square_later(5) == ("compiled", 25) and compiled[-1] == ("square", {})
