@@ -143,8 +143,8 @@ class SwarmView:
         """How many peers a group of ours waits for, ourselves included, and the live peers it does not wait for:
         those whose record no read of ours found renewed for longer than its horizon plus ``QUIET_SLACK_S`` (a
         peer killed or frozen; its record lives until it expires, ttl 20 s by default). Waiting for one costs every
-        round the whole matchmaking time (docs/design.md §4, Groups). A quiet peer that comes back is counted again at once;
-        if it is merely slow, it can still join a group that is not yet full."""
+        round the whole matchmaking time (docs/design.md §4, Groups). A quiet peer that comes back is counted again
+        at once; if it is merely slow, it can still join a group that is not yet full."""
         quiet = sorted(peer for peer, record in live.items() if silent_s(peer) > self.horizon(record) + QUIET_SLACK_S)
         return 1 + len(live) - len(quiet), quiet
 

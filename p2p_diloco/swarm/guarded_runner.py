@@ -1,9 +1,9 @@
 """The runner of a guarded all-reduce (guarded.py): robust reducers and checked results, one all-reduce at a time.
 
-- ``RobustPartReducer`` (hivemind's ``TensorPartReducer``, through averaging.PartReducer): holds each sender's part aside and, when the part is
-  complete, averages only the acceptable ones (``robust.robust_average``), with weights clamped to the limits the
-  round was given. hivemind's own bookkeeping (part order, late and banned senders) runs unchanged on a zero
-  placeholder.
+- ``RobustPartReducer`` (hivemind's ``TensorPartReducer``, through ``averaging.PartReducer``): holds each sender's
+  part aside and, when the part is complete, averages only the acceptable ones (``robust.robust_average``), with
+  weights clamped to the limits the round was given. hivemind's own bookkeeping (part order, late and banned
+  senders) runs unchanged on a zero placeholder.
 - ``GuardedAllReduceRunner``: uses that reducer, and checks every averaged part it gets back from a reducer
   (``robust.result_problem``) before it is applied; a bad one fails the round on our side.
 - ``RoundGuard``: one all-reduce's weight limits in, its rejections out.
