@@ -227,7 +227,9 @@ def analyse(run: dict[str, Any], averaging_timeout_s: float) -> dict[str, Any]:
                 if any(start < w_end and end > w_start for w_start, w_end in windows[name]):
                     continue  # the peer's own fault or recovery: not a survivor then
                 if end > run["ended"]:
-                    continue  # the harness was stopping the peers: a last round that waits for them is no fault's cost
+                    # the harness was stopping the peers: a last round that waits for them is no fault's cost (nor,
+                    # then, is a wait that began in the run's last seconds seen: its end is confounded with the stop)
+                    continue
                 compute += after["compute_s"] - before["compute_s"]
                 wall += end - start
                 stall = max(stall, after.get("longest_block_s", 0.0))

@@ -143,10 +143,12 @@ class SwarmView:
         """How many peers a group of ours waits for, ourselves included, and the live peers it does not wait for:
         those whose record no read of ours found renewed for longer than its horizon plus ``QUIET_SLACK_S`` (a
         peer killed or frozen; its record lives until it expires, ttl 20 s by default). Waiting for one costs every
-        round the whole matchmaking time (docs/design.md §4, Groups). A quiet peer that comes back is counted again
-        at once; if it is merely slow, it can still join a group that is not yet full."""
+        round the whole matchmaking time (docs/design.md §4, Groups). Never fewer than 2 while anyone is live: a
+        target of 1 would step alone at once (a fork, were the others only slow) and turn every joiner away. The
+        target holds for the round's whole search; a quiet peer that comes back counts again from the next round,
+        and can still join a group that is not yet full."""
         quiet = sorted(peer for peer, record in live.items() if silent_s(peer) > self.horizon(record) + QUIET_SLACK_S)
-        return 1 + len(live) - len(quiet), quiet
+        return (max(2, 1 + len(live) - len(quiet)) if live else 1), quiet
 
     def round_view(self, records: Mapping[str, dict], round_index: int, now: float) -> RoundView:
         """The others' progress in ``round_index``, the senders our reducer left out excepted (their tokens add

@@ -331,19 +331,23 @@ class ProgressReader:
         # peer -> (its record's expiration at the latest read, when (monotonic, ours) a read first saw that one): a
         # record renewed carries a later expiration, so a peer's silence is timed on our clock, not on its
         self._renewal: dict[str, tuple[float, float]] = {}
+        self._last_read = -math.inf  # when (monotonic) the latest read that answered was made
+        self._renewal_lock = threading.Lock()  # two threads read (the beacon's and a round's)
 
     def silent_s(self, peer: str) -> float:
-        """Seconds since a read of ours found ``peer``'s record renewed (0 for a peer not read yet)."""
+        """How long ``peer``'s record had gone unrenewed as of our latest read that answered (0 for a peer not read
+        yet). As of that read, not now: a read of ours that stalls or fails makes nobody look silent."""
         seen = self._renewal.get(peer)
-        return 0.0 if seen is None else max(0.0, time.monotonic() - seen[1])
+        return 0.0 if seen is None else max(0.0, self._last_read - seen[1])
 
     def _note_renewals(self, items: dict[str, tuple[dict, float]]) -> None:
-        now, before = time.monotonic(), self._renewal
-        renewal = {}
-        for peer, (_, expiration) in items.items():
-            seen = before.get(peer)
-            renewal[peer] = seen if seen is not None and expiration <= seen[0] else (expiration, now)
-        self._renewal = renewal
+        with self._renewal_lock:
+            now, before = time.monotonic(), self._renewal
+            renewal = {}
+            for peer, (_, expiration) in items.items():
+                seen = before.get(peer)
+                renewal[peer] = seen if seen is not None and expiration <= seen[0] else (expiration, now)
+            self._renewal, self._last_read = renewal, now
 
     def __call__(self) -> dict[str, dict]:
         if self._push and self._local_reads < DHT_EVERY - 1:

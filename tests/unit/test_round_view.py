@@ -122,3 +122,6 @@ def test_a_group_does_not_wait_for_a_peer_whose_record_went_quiet():
     view.period_now_s = 5.0  # our own reads come every 5 s: a renewal may show that late
     silent["killed"] = 11.9
     assert view.group_target(records, silent.__getitem__) == (1 + 4 - 1, ["liar"])
+    # everyone quiet: still a group of 2 at least (a target of 1 would step alone at once, and refuse every joiner)
+    assert view.group_target(records, lambda peer: 60.0) == (2, ["idle", "killed", "liar", "training"])
+    assert view.group_target({}, lambda peer: 60.0) == (1, [])
