@@ -223,9 +223,9 @@ def _clipped_mean(
     if count >= 3:
         ordered = stacked.sort(dim=0).values  # each coordinate's median: the mean of the middle two for an even count
         centre = (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
-    elif own in candidates:
+    elif own in candidates and count == 2:
         centre = parts[own].reshape(-1).clone()  # two senders: neither is a majority; we trust our own part
-    else:
+    else:  # one sender (its part, exactly), or two of which neither is ours
         return _weighted_mean(stacked, [weights[i] for i in candidates]).view(shape)
     deviations = stacked - centre
     distances = deviations.norm(dim=1)

@@ -16,7 +16,9 @@ pieces of it rather than copying it:
    until it ends (``search.hold_tasks``).
 5. *One sender that gives up wedges a reducer for everyone.* Every sender of a part awaits the same future, bare:
    the first whose RPC is cancelled cancels it for all of them, the part never completes, and the round hangs
-   until its timeout. Here each sender waits on a shield of it (``PartReducer``).
+   until its timeout. Here each sender waits on a shield of it (``PartReducer``). Likewise a part whose average
+   raises: the error reached only the sender that completed it, and the others waited for the timeout; here it
+   fails the part for every sender, and our own parts count as lost at once.
 6. *A stop in mid-round ends the averager's thread with a traceback* (its shutdown takes the futures it keeps of
    running groups for runners). ``DilocoAverager._shutdown`` finalizes the runners and cancels the futures.
 
@@ -81,6 +83,29 @@ class PartReducer(TensorPartReducer):
         if not self.finished.is_set():  # nothing refers to the part's new future yet: replace it
             self.current_part_future = _SharedPartFuture()
 
+    def check_current_part_finished(self) -> None:
+        """hivemind's, except that a part whose average cannot be computed fails every sender of the round at once.
+
+        Raised from here, the error reached only the sender (or the ``on_sender_failed``) that completed the part:
+        the part's future was never set, and every other sender, our own part included, waited for it until the
+        round's timeout (docs/design.md §6; seen in CI: a group of two whose other member never sent)."""
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from != self.num_current_senders:
+            return
+        try:
+            result = self._average_current_part()
+        except Exception as e:
+            logger.error("reducer: part %d could not be averaged", self.current_part_index, exc_info=True)
+            self.current_part_future.set_exception(
+                AllreduceException(f"part {self.current_part_index} could not be averaged: {type(e).__name__}: {e}"))
+            self.finalize()  # the senders waiting for a later part end too
+            return
+        self.current_part_future.set_result(result)
+        self.reset_accumulators()
+
+    def _average_current_part(self) -> torch.Tensor:
+        return self.accumulator.div_(self.denominator)
+
 
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose result is bit-identical on every peer of the group.
@@ -131,12 +156,16 @@ class ExactAllReduceRunner(AllReduceRunner):
         # our own part: reduce it like any other, and take the same decoded bytes the senders get
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
-        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            averaged_part = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, tensor_part, weight=self.weight
-            )
-            encoded = await self._encode_result(part_index, averaged_part)
-            self.tensor_part_container.register_processed_part(peer_index, part_index, self._wire_codec.extract(encoded))
+        try:
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                averaged_part = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, tensor_part, weight=self.weight
+                )
+                encoded = await self._encode_result(part_index, averaged_part)
+                self.tensor_part_container.register_processed_part(peer_index, part_index, self._wire_codec.extract(encoded))
+        except BaseException:  # hivemind's waits for the parts we reduce until the round's timeout: they are lost now
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
 
     async def _ban_sender(self, peer_id: PeerID) -> None:
         if peer_id not in self.banned_senders:  # hivemind says nothing: the sender's round comes back partial

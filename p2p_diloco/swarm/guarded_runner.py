@@ -50,13 +50,7 @@ class RobustPartReducer(PartReducer):
         self._inputs[(sender_index, part_index)] = (tensor_part, weight)
         return await super().accumulate_part(sender_index, part_index, _PLACEHOLDER, weight=0.0)
 
-    def check_current_part_finished(self) -> None:
-        assert self.current_part_accumulated_from <= self.num_current_senders
-        if self.current_part_accumulated_from == self.num_current_senders:
-            self.current_part_future.set_result(self._reduce_current_part())
-            self.reset_accumulators()
-
-    def _reduce_current_part(self) -> torch.Tensor:
+    def _average_current_part(self) -> torch.Tensor:
         index = self.current_part_index
         # the senders hivemind counted for this part: a sender banned before sending it is not among them
         senders = sorted(s for (s, p) in self._inputs if p == index and p < self.sender_failed_after[s])

@@ -15,7 +15,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco.core.compression import ReducerFeedback, make_codec
 from p2p_diloco.core.link import codec_round_trip
-from p2p_diloco.swarm.averaging import DilocoAverager, ExactAllReduceRunner, run_averaging
+from p2p_diloco.swarm.averaging import DilocoAverager, ExactAllReduceRunner, PartReducer, run_averaging
 from p2p_diloco.swarm.wire import WireCodec
 
 pytestmark = pytest.mark.integration
@@ -34,6 +34,19 @@ class CrashingReducerRunner(ExactAllReduceRunner):
         async for _message in super()._accumulate_parts_streaming(stream, sender_index):
             raise RuntimeError("reducer crashed")
         yield  # unreachable: makes this an async generator like the method it overrides
+
+
+class _UnaverageablePartReducer(PartReducer):
+    def _average_current_part(self) -> torch.Tensor:
+        raise RuntimeError("no average today")
+
+
+class UnaverageableRunner(ExactAllReduceRunner):
+    """A reducer whose average of its first part raises, as a bug or a torch error in the reducer would."""
+
+    def _make_reducer(self) -> PartReducer:
+        return _UnaverageablePartReducer(tuple(part.shape for part in self.parts_for_local_averaging),
+                                         len(self.sender_peer_ids))
 
 
 def _swarm(count: int, compression: str, runners: list[type] | None = None, reducer_feedback: bool = False,
@@ -180,6 +193,33 @@ def test_a_reducer_that_breaks_off_makes_the_round_fail_not_half_averaged():
     # hivemind alone would report success with the crashed part left at each peer's own value
     assert all(o.status != "ok" and o.averaged is None for o in honest), [(o.status, o.reason, o.peers) for o in outcomes]
     assert any("partial" in o.reason for o in honest), [o.reason for o in honest]
+
+
+def test_a_reducer_whose_average_raises_fails_the_round_at_once_not_at_its_timeout():
+    # the error used to reach only the sender that completed the part: every other sender, the reducer's own part
+    # included, waited for the round's timeout (docs/design.md §6)
+    torch.manual_seed(2)
+    inputs = [[torch.randn(shape) for shape in SHAPES] for _ in range(2)]
+    dhts, averagers = _swarm(2, "none", [ExactAllReduceRunner, UnaverageableRunner])
+    started = time.monotonic()
+    ended: list = [None, None]  # per peer: (outcome, seconds from the start)
+
+    def work(index):
+        outcome = run_averaging(averagers[index], inputs[index], 1.0, outer_step=5, timeout_s=20)
+        ended[index] = (outcome, time.monotonic() - started)
+
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        _shutdown(dhts, averagers)
+    outcomes = [entry[0] for entry in ended]
+    assert all(o.status == "partial" and o.averaged is None for o in outcomes), [(o.status, o.reason) for o in outcomes]
+    # the all-reduce's timeout is 20 s (_swarm); matchmaking takes about 2 s of it
+    assert all(entry[1] < 10 for entry in ended), ended
 
 
 def test_state_download_skips_refused_donors_and_names_the_donor():

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from hivemind.averaging.partition import TensorPartReducer
+from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 
 from p2p_diloco.core.robust import RobustPolicy
 from p2p_diloco.swarm.averaging import PartReducer
@@ -65,3 +65,53 @@ def test_hivemind_own_reducer_is_wedged_by_the_same_sender():
     assert isinstance(stayer, asyncio.CancelledError)
     assert isinstance(late, asyncio.InvalidStateError)
     reducer.finalize()
+
+
+@pytest.mark.parametrize("own", [0, 1])
+def test_a_group_of_two_whose_other_member_never_sends_averages_our_parts_alone(own):
+    # the CI failure after the fix above: the other member was dropped before its first part, the robust reducer's
+    # average of our part alone raised, and our own part waited for the round's timeout (30 s)
+    ours = [torch.randn(SHAPE) for _ in range(2)]
+
+    async def run() -> tuple[list[torch.Tensor], TensorPartReducer]:
+        reducer = RobustPartReducer([SHAPE, SHAPE], 2, RobustPolicy(), [None, None], lambda *_: None, own=own)
+        task = asyncio.create_task(_send_all(reducer, own, ours))
+        await asyncio.sleep(0.01)
+        reducer.on_sender_failed(1 - own)  # what _ban_sender does when a sender never started
+        return await asyncio.wait_for(task, 5), reducer
+
+    results, reducer = asyncio.run(run())
+    assert all(torch.equal(result, part) for result, part in zip(results, ours, strict=True))
+    assert reducer.finished.is_set()
+
+
+async def _send_all(reducer: TensorPartReducer, sender: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [await reducer.accumulate_part(sender, k, part) for k, part in enumerate(parts)]
+
+
+class _FailingReducer(PartReducer):
+    """A reducer whose average of part 0 raises (anything: a bug, memory, a torch error)."""
+
+    def _average_current_part(self) -> torch.Tensor:
+        if self.current_part_index == 0:
+            raise RuntimeError("no average today")
+        return super()._average_current_part()
+
+
+@pytest.mark.parametrize("completed_by", ["the last sender", "a dropped sender"])
+def test_a_part_whose_average_raises_fails_every_sender_at_once(completed_by):
+    parts = [torch.ones(SHAPE), torch.ones(SHAPE)]
+
+    async def run() -> tuple[list, TensorPartReducer]:
+        reducer = _FailingReducer([SHAPE, SHAPE], 3)
+        senders = [asyncio.create_task(_send_all(reducer, s, parts)) for s in range(2)]
+        await asyncio.sleep(0.01)
+        if completed_by == "the last sender":
+            senders.append(asyncio.create_task(_send_all(reducer, 2, parts)))
+        else:
+            reducer.on_sender_failed(2)  # must not raise into whoever dropped the sender
+        return await asyncio.wait_for(asyncio.gather(*senders, return_exceptions=True), 5), reducer
+
+    results, reducer = asyncio.run(run())
+    assert results and all(isinstance(r, AllreduceException) and "no average today" in str(r) for r in results), results
+    assert reducer.finished.is_set()  # no later part waits either

@@ -75,6 +75,17 @@ def test_in_a_group_of_two_the_other_is_clipped_against_our_own_part():
     assert not notes
 
 
+def test_one_acceptable_sender_averages_to_its_own_part_exactly():
+    # a group of two whose other member never sent (or was left out): the part is ours alone. This raised
+    # StopIteration inside the reducer, whose part then waited for the round's timeout (docs/design.md §6)
+    own = _honest(0)
+    far = _honest(1) * 1e4  # over the norm per token any group accepts: left out, which leaves ours alone
+    for parts in ([own], [own, far]):
+        for ours in (0, None):
+            result, _, left_out = robust_average(parts, [1000.0] * len(parts), [None] * len(parts), SHAPE, POLICY, own=ours)
+            assert torch.equal(result, own) and 0 not in left_out and left_out == frozenset(range(1, len(parts)))
+
+
 def test_a_result_is_checked_against_the_norms_the_group_declared():
     sent = _honest(0)
     declared = [float(sent.norm()), float(_honest(1).norm()), 1e6]  # a liar among the three declares a huge norm
