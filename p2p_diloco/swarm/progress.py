@@ -324,12 +324,12 @@ class ProgressReader:
         # what was pushed to a joiner so far is whoever pushed first, perhaps a lone liar (core/history.py)
         self._local_reads = DHT_EVERY - 1
         self._seen: frozenset[str] = frozenset()  # the peers the last read returned
-        self._expirations: dict[str, float] = {}  # each peer's record's expiration at the last local read
         self._renewed: set[str] = set()  # peers whose record was renewed here between local reads since the last DHT read
         self._introduced: dict[str, float] = {}  # peer -> when (monotonic) it was last pinged
         self.introductions = 0  # peers pinged because they did not push to us
-        # peer -> (its record's expiration at the latest read, when (monotonic, ours) a read first saw that one): a
-        # record renewed carries a later expiration, so a peer's silence is timed on our clock, not on its
+        # peer -> (its record's latest expiration, when (monotonic, ours) a read first saw that one): a record renewed
+        # carries a later expiration, so a peer's silence is timed on our clock, not on its (and who pushes to us,
+        # from the renewals between two local reads)
         self._renewal: dict[str, tuple[float, float]] = {}
         self._last_read = -math.inf  # when (monotonic) the latest read that answered was made
         self._renewal_lock = threading.Lock()  # two threads read (the beacon's and a round's)
@@ -340,25 +340,30 @@ class ProgressReader:
         seen = self._renewal.get(peer)
         return 0.0 if seen is None else max(0.0, self._last_read - seen[1])
 
-    def _note_renewals(self, items: dict[str, tuple[dict, float]]) -> None:
+    def _note_renewals(self, items: dict[str, tuple[dict, float]]) -> set[str]:
+        """Note this read's expirations; the peers whose record it found renewed since an earlier read."""
         with self._renewal_lock:
             now, before = time.monotonic(), self._renewal
-            renewal = {}
+            renewal, renewed = {}, set()
             for peer, (_, expiration) in items.items():
                 seen = before.get(peer)
-                renewal[peer] = seen if seen is not None and expiration <= seen[0] else (expiration, now)
+                if seen is not None and expiration <= seen[0]:
+                    renewal[peer] = seen
+                else:
+                    renewal[peer] = (expiration, now)
+                    if seen is not None:
+                        renewed.add(peer)
             self._renewal, self._last_read = renewal, now
+        return renewed
 
     def __call__(self) -> dict[str, dict]:
         if self._push and self._local_reads < DHT_EVERY - 1:
             items = read_progress_items(self._dht, self._key, local=True)
             items.pop(self._own, None)
-            self._note_renewals(items)
+            renewed = self._note_renewals(items)
+            if self._local_reads > 0:  # the read before was local too: a renewal in between was pushed to us
+                self._renewed |= renewed
             self._local_reads += 1
-            for peer, (_, expiration) in items.items():
-                if expiration > self._expirations.get(peer, math.inf):
-                    self._renewed.add(peer)
-            self._expirations = {peer: expiration for peer, (_, expiration) in items.items()}
             if items and self._seen <= items.keys():
                 self._seen = frozenset(items)
                 return {peer: record for peer, (record, _) in items.items()}
@@ -368,7 +373,7 @@ class ProgressReader:
         self._note_renewals(items)
         if self._push:
             self._introduce(items)
-            self._renewed, self._expirations = set(), {}
+            self._renewed = set()
         self._seen = frozenset(items)
         return {peer: record for peer, (record, _) in items.items()}
 
