@@ -20,7 +20,8 @@ pieces of it rather than copying it:
    raises: the error reached only the sender that completed it, and the others waited for the timeout; here it
    fails the part for every sender, and our own parts count as lost at once.
 6. *A stop in mid-round ends the averager's thread with a traceback* (its shutdown takes the futures it keeps of
-   running groups for runners). ``DilocoAverager._shutdown`` finalizes the runners and cancels the futures.
+   running groups for runners). ``DilocoAverager._shutdown`` finalizes the runners and cancels the futures; a
+   runner cancelled mid-round is finalized as cancelled, not failed with the cancellation (which nobody reads).
 
 This module does not decide *when* to average or what to do with the result: that is the learner's job.
 """
@@ -124,6 +125,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         # our parts' place among all the parts of the averaging: what a reducer's residual is kept under
         own = self.ordered_peer_ids.index(self.peer_id) if self.peer_id in self.ordered_peer_ids else 0
         self._first_part = sum(self.tensor_part_container.num_parts_by_peer[:own])
+
+    def finalize(self, *, cancel: bool = False, exception: BaseException | None = None) -> None:
+        # hivemind's run() passes a cancellation (a stop in mid-round) as the runner's exception: set on a future
+        # nobody reads, it ended in the peer's log as "Future exception was never retrieved" and a traceback
+        if isinstance(exception, asyncio.CancelledError):
+            cancel, exception = True, None
+        super().finalize(cancel=cancel, exception=exception)
 
     def _make_reducer(self) -> PartReducer:
         return PartReducer(tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids))
