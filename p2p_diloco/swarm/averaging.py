@@ -251,7 +251,10 @@ class DilocoAverager(DecentralizedAverager):
         # hivemind's calls finalize() on what it keeps of each running group, which is a future of its runner (and
         # finalize returns nothing to wait for): a stop in mid-round ended the averager's thread with a traceback
         if not self.client_mode:
-            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+            try:
+                await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+            except Exception as e:  # p2pd went first (its control socket is gone): no handler is left to remove
+                logger.debug("averaging handlers not removed at shutdown: %r", e)
         for future in list(self._running_groups.values()):
             if not future.done():
                 future.cancel()  # matched, runner not built yet: a groupmate's part waiting for it gets nothing

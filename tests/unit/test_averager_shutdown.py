@@ -22,11 +22,16 @@ class _Runner:
         self.finalized.append(cancel)
 
 
-async def _stop(shutdown) -> tuple[dict, _Runner]:
+async def _gone(*_args, **_kwargs) -> None:
+    raise FileNotFoundError(2, "No such file or directory")  # p2pd's control socket, removed as p2pd stopped
+
+
+async def _stop(shutdown, p2pd_gone: bool = False) -> tuple[dict, _Runner]:
     built, runner = asyncio.get_running_loop().create_future(), _Runner()
     built.set_result(runner)
     groups = {b"matched": asyncio.get_running_loop().create_future(), b"running": built}
-    averager = types.SimpleNamespace(client_mode=True, _running_groups=groups)
+    averager = types.SimpleNamespace(client_mode=not p2pd_gone, _running_groups=groups, _p2p=None, prefix="x",
+                                     remove_p2p_handlers=_gone)
     await shutdown(averager, None)
     return groups, runner
 
@@ -35,6 +40,14 @@ def test_shutdown_finalizes_running_groups_and_cancels_the_ones_not_built_yet():
     groups, runner = asyncio.run(_stop(DilocoAverager._shutdown))
     assert runner.finalized == [True]
     assert groups[b"matched"].cancelled()
+
+
+def test_shutdown_after_p2pd_went_first_still_ends_the_groups():
+    # seen in a peer's log at a SIGTERM: the DHT's shutdown had ended p2pd, and removing our handlers raised
+    groups, runner = asyncio.run(_stop(DilocoAverager._shutdown, p2pd_gone=True))
+    assert runner.finalized == [True] and groups[b"matched"].cancelled()
+    with pytest.raises(FileNotFoundError):  # hivemind's raises there, before it reaches the groups
+        asyncio.run(_stop(DecentralizedAverager._shutdown, p2pd_gone=True))
 
 
 def test_hivemind_own_shutdown_fails_on_the_same_groups():
