@@ -77,20 +77,31 @@ def confirm_last_step(learner: Learner, link: Link) -> None:
     learner.catch_up(link)
 
 
+def _to_serve(learner: Learner, link: Link) -> int:
+    """Live peers behind our outer step, and the groupmates of our last round that report other bytes for it."""
+    step = learner.outer_step
+    groupmates = set(learner.round_history.get(step - 1, ())) - {link.peer_id}
+    forked = sum(sha != learner.global_sha256 for peer, sha in link.reported_sha256(step).items() if peer in groupmates)
+    return link.peers_behind(step) + forked
+
+
 def serve_stragglers(learner: Learner, link: Link) -> None:
     """At the planned end (max_outer_steps reached, no stop request), stay a bounded while as a state donor
     for live peers still behind: one whose last round failed where the others' succeeded can then catch up
     to the final state, instead of finding no donor and stepping alone onto other bytes (a fork at the
-    last step). The other ranks of an island have already left; the averager serves state by itself."""
+    last step). So too for a groupmate of our last round that reports other bytes for it (its hardware computed
+    the step differently, docs/design.md §5): it heals by downloading the step, and needs a donor; without one
+    it left on its own bytes (a CI failure). The other ranks of an island have already left; the averager serves
+    state by itself."""
     run = learner.config.run
     planned_end = bool(run.max_outer_steps) and learner.outer_step >= run.max_outer_steps
     if not run.straggler_wait_s or not planned_end or learner.stop.is_set():
         return
     started = time.monotonic()
     said = False  # peers finishing the same step show as behind until their next record: said only if it lasts
-    behind = link.peers_behind(learner.outer_step)
+    behind = _to_serve(learner, link)
     while behind and time.monotonic() - started < run.straggler_wait_s and not learner.stop.wait(0.5):
-        behind = link.peers_behind(learner.outer_step)  # SIGTERM (learner.stop) ends the wait at once
+        behind = _to_serve(learner, link)  # SIGTERM (learner.stop) ends the wait at once
         if behind and not said and time.monotonic() - started >= 3.0:
             logger.info("serving state up to %.0f s to %d peers behind outer step %d", run.straggler_wait_s, behind, learner.outer_step)
             said = True
