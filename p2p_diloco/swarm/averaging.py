@@ -16,7 +16,7 @@ pieces of it rather than copying it:
    until it ends (``search.hold_tasks``).
 5. *One sender that gives up wedges a reducer for everyone.* Every sender of a part awaits the same future, bare:
    the first whose RPC is cancelled cancels it for all of them, the part never completes, and the round hangs
-   until its timeout. Here each sender waits on a shield of it (``PartReducer``). Likewise a part whose average
+   until its timeout. Here each sender waits on a shield of it (``reducer.PartReducer``). Likewise a part whose average
    raises: the error reached only the sender that completed it, and the others waited for the timeout; here it
    fails the part for every sender, and our own parts count as lost at once.
 6. *A stop in mid-round ends the averager's thread with a traceback* (its shutdown takes the futures it keeps of
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -54,58 +54,11 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from p2p_diloco.core.compression import ReducerFeedback
 from p2p_diloco.core.link import AveragingOutcome
 from p2p_diloco.swarm.hivemind_api import CALL_FAILED
+from p2p_diloco.swarm.reducer import PartReducer
 from p2p_diloco.swarm.search import Abandoned, AveragerGone, hold, hold_tasks, wait_for_step
 from p2p_diloco.swarm.wire import MeteredStub, TrafficCounters, WireCodec, install_wire_codecs, metered
 
 logger = logging.getLogger(__name__)
-
-
-class _SharedPartFuture(asyncio.Future):
-    """The future every sender of one part awaits: a sender whose wait is cancelled leaves it to the others."""
-
-    def __await__(self):
-        if self.done():
-            return (yield from super().__await__())
-        return (yield from asyncio.shield(self).__await__())
-
-
-class PartReducer(TensorPartReducer):
-    """hivemind's reducer, except that a sender cancelled while it waits for a part does not cancel the part.
-
-    hivemind's ``accumulate_part`` ends in ``await current_part_future``, shared by all the part's senders; when a
-    sender's RPC is cancelled (its peer gave up on the round) asyncio cancels that shared future too, every other
-    sender of the part gets ``CancelledError``, the last one's ``set_result`` raises ``InvalidStateError``, and the
-    round hangs until its timeout (docs/design.md §6; seen in CI with a peer that left a round after one part).
-    Only ``finalize`` cancels a part now. The sender that left is dropped as before (``_ban_sender``).
-    """
-
-    def reset_accumulators(self) -> None:
-        super().reset_accumulators()
-        if not self.finished.is_set():  # nothing refers to the part's new future yet: replace it
-            self.current_part_future = _SharedPartFuture()
-
-    def check_current_part_finished(self) -> None:
-        """hivemind's, except that a part whose average cannot be computed fails every sender of the round at once.
-
-        Raised from here, the error reached only the sender (or the ``on_sender_failed``) that completed the part:
-        the part's future was never set, and every other sender, our own part included, waited for it until the
-        round's timeout (docs/design.md §6; seen in CI: a group of two whose other member never sent)."""
-        assert self.current_part_accumulated_from <= self.num_current_senders
-        if self.current_part_accumulated_from != self.num_current_senders:
-            return
-        try:
-            result = self._average_current_part()
-        except Exception as e:
-            logger.error("reducer: part %d could not be averaged", self.current_part_index, exc_info=True)
-            self.current_part_future.set_exception(
-                AllreduceException(f"part {self.current_part_index} could not be averaged: {type(e).__name__}: {e}"))
-            self.finalize()  # the senders waiting for a later part end too
-            return
-        self.current_part_future.set_result(result)
-        self.reset_accumulators()
-
-    def _average_current_part(self) -> torch.Tensor:
-        return self.accumulator.div_(self.denominator)
 
 
 class ExactAllReduceRunner(AllReduceRunner):

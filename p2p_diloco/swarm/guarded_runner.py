@@ -1,6 +1,6 @@
 """The runner of a guarded all-reduce (guarded.py): robust reducers and checked results, one all-reduce at a time.
 
-- ``RobustPartReducer`` (hivemind's ``TensorPartReducer``, through ``averaging.PartReducer``): holds each sender's
+- ``RobustPartReducer`` (hivemind's ``TensorPartReducer``, through ``reducer.PartReducer``): holds each sender's
   part aside and, when the part is complete, averages only the acceptable ones (``robust.robust_average``), with
   weights clamped to the limits the round was given. hivemind's own bookkeeping (part order, late and banned
   senders) runs unchanged on a zero placeholder.
@@ -20,7 +20,8 @@ import torch
 from hivemind.averaging.partition import AllreduceException
 
 from p2p_diloco.core.robust import RobustPolicy, result_excess, result_problem, robust_average
-from p2p_diloco.swarm.averaging import ExactAllReduceRunner, PartReducer
+from p2p_diloco.swarm.averaging import ExactAllReduceRunner
+from p2p_diloco.swarm.reducer import PartReducer
 
 logger = logging.getLogger(__name__)
 _PLACEHOLDER = torch.zeros(())  # what hivemind's accumulator adds (times weight 0) while we hold the real part

@@ -9,8 +9,8 @@ import torch
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 
 from p2p_diloco.core.robust import RobustPolicy
-from p2p_diloco.swarm.averaging import PartReducer
 from p2p_diloco.swarm.guarded import RobustPartReducer
+from p2p_diloco.swarm.reducer import PartReducer
 
 SHAPE = torch.Size([64])
 
