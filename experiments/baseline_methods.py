@@ -185,7 +185,7 @@ class SyncDataParallel:
         )
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepTimes:
-        from p2p_diloco.swarm.averaging import run_averaging
+        from p2p_diloco.swarm.round import run_averaging
 
         started = time.monotonic()
         loss = _forward_backward(self.model, self.optimizer, inputs, targets)

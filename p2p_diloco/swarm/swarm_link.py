@@ -27,13 +27,13 @@ from p2p_diloco.core.link import AveragingOutcome, RoundView, SwarmState, codec_
 from p2p_diloco.core.robust import total_norm
 from p2p_diloco.core.swarm_view import OuterNorms, ProgressPace, SwarmView, typical_tokens
 from p2p_diloco.core.verify import verified_state
-from p2p_diloco.swarm.averaging import run_averaging
 from p2p_diloco.swarm.guarded import GuardedAllReduceRunner, GuardedAverager
 from p2p_diloco.swarm.hivemind_api import CALL_FAILED
 from p2p_diloco.swarm.joining import SwarmStartError, first_line, join_swarm, peer_ids_in
 from p2p_diloco.swarm.membership import RunMembership
 from p2p_diloco.swarm.processes import close_dht, kill_if_alive, lower_priority, lower_this_thread
 from p2p_diloco.swarm.progress import ProgressBeacon, ProgressReader
+from p2p_diloco.swarm.round import run_averaging
 from p2p_diloco.swarm.wire import WireCodec, part_norms_of, part_values_for
 
 logger = logging.getLogger(__name__)

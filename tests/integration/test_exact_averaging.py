@@ -15,8 +15,9 @@ from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco.core.compression import ReducerFeedback, make_codec
 from p2p_diloco.core.link import codec_round_trip
-from p2p_diloco.swarm.averaging import DilocoAverager, ExactAllReduceRunner, run_averaging
+from p2p_diloco.swarm.averaging import DilocoAverager, ExactAllReduceRunner
 from p2p_diloco.swarm.reducer import PartReducer
+from p2p_diloco.swarm.round import run_averaging
 from p2p_diloco.swarm.wire import WireCodec
 
 pytestmark = pytest.mark.integration

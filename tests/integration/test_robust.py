@@ -21,7 +21,6 @@ from experiments.adversary import GarbageReducerRunner, RawWireRunner, ReducerUn
 from experiments.adversary_peer import PATH as ADVERSARY_PEER
 from p2p_diloco.core.compression import make_codec
 from p2p_diloco.observe.report import check_invariant_1
-from p2p_diloco.swarm.averaging import run_averaging
 from p2p_diloco.swarm.guarded import GuardedAllReduceRunner, GuardedAverager
 from p2p_diloco.swarm.membership import (
     AllowList,
@@ -31,6 +30,7 @@ from p2p_diloco.swarm.membership import (
     load_identity,
     load_swarm_key,
 )
+from p2p_diloco.swarm.round import run_averaging
 from p2p_diloco.swarm.wire import WireCodec, part_values_for
 
 from .harness import local_swarm

@@ -1,4 +1,4 @@
-"""run_averaging's reading of the group it got (averaging.py): a group whose members declared other global params
+"""run_averaging's reading of the group it got (round.py): a group whose members declared other global params
 (bases) than ours is averaged here, by hivemind, but its result is not applied; the declared base goes out."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from p2p_diloco.swarm.averaging import run_averaging
+from p2p_diloco.swarm.round import run_averaging
 
 
 class FakeAverager:
