@@ -64,6 +64,12 @@ INNER_LR_LIMIT = 8.0  # the grid grows past its edge (halving or doubling) while
 SCHEDULES = ("fixed", "grow")
 PLOT_GAP_LIMIT = 0.6  # the picture leaves out runs further behind than this (they stay in the table)
 SPARSE_H = (10, 24)  # top-k + 2 bits (0.094 B/value): 427x and 1024x fewer bytes than fp32 sync DP
+# larger islands (the "small islands" suspect): 4x the sequences per inner step, the same tokens (so 4x fewer steps),
+# and 3x the tokens where H = 120 needs it for 30 outer steps; sync DP at the same global batch and steps, retuned
+ISLAND_BATCH = 8
+ISLAND_STEPS = (1200, 3600)
+ISLAND_DP_LRS = (4e-3, 8e-3, 16e-3)
+ISLAND_POINTS = ((10, "int8", 0.35, 0.9, 1200), (40, "int8", 0.7, 0.9, 1200), (120, "int8", 0.8, 0.6, 3600))
 
 
 @dataclass(frozen=True)
@@ -282,6 +288,17 @@ def _like(best: dict, **changes) -> Run:
     return Run("diloco", **{"inner_lr": best["inner_lr"], **fields, **changes})
 
 
+def _island_syncdp(results: list[dict]) -> float | None:
+    """Sync DP's best lr at the larger islands' size, once its grid brackets it (islands-syncdp)."""
+    short = [r for r in results if r["method"] == "syncdp" and r["batch_size"] == ISLAND_BATCH and r["peers"] == PEERS
+             and r["steps"] == ISLAND_STEPS[0] and r["seed"] == 0 and r["data"] == "shards"]
+    if not short:
+        return None
+    tried = sorted(r["inner_lr"] for r in short)
+    best = min(short, key=lambda r: r["final_loss"])["inner_lr"]
+    return best if tried[0] < best < tried[-1] else None
+
+
 def plan(phase: str, results: list[dict]) -> list[Run]:
     """The runs of ``phase``, given what is done: a later phase builds on an earlier one's best settings."""
     if phase not in PHASES:
@@ -333,6 +350,27 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
         return [_like(b, schedule="grow") for b in bests]
     if phase == "iid":  # how much of the gap is the shards' difference: the same runs, every island on all the data
         return [Run("syncdp", lr, data="iid")] + [_like(b, data="iid") for b in targets]
+    if phase == "islands-syncdp":  # sync DP's lr at the larger islands' global batch, the grid growing past its edge
+        short = [r for r in results if r["method"] == "syncdp" and r["batch_size"] == ISLAND_BATCH and r["peers"] == PEERS
+                 and r["steps"] == ISLAND_STEPS[0] and r["seed"] == 0 and r["data"] == "shards"]
+        runs = [Run("syncdp", lr, batch_size=ISLAND_BATCH, steps=ISLAND_STEPS[0]) for lr in ISLAND_DP_LRS]
+        if {r["inner_lr"] for r in short} >= set(ISLAND_DP_LRS):
+            tried = sorted(r["inner_lr"] for r in short)
+            best = min(short, key=lambda r: r["final_loss"])["inner_lr"]
+            if best in (tried[0], tried[-1]):
+                runs.append(Run("syncdp", best / 2 if best == tried[0] else best * 2, batch_size=ISLAND_BATCH,
+                                steps=ISLAND_STEPS[0]))
+            else:  # the grid brackets its best: the longer runs at that lr
+                runs += [Run("syncdp", best, batch_size=ISLAND_BATCH, steps=s) for s in ISLAND_STEPS[1:]]
+        return runs
+    if phase == "islands":  # DiLoCo at the larger islands: the standard study's outer optimizer per H, inner lr 1/2
+        # and 1x sync DP's best at the same size (at 1/2 only for the longer runs)
+        best = _island_syncdp(results)
+        if best is None:
+            return []
+        return [Run("diloco", best * f, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m,
+                    batch_size=ISLAND_BATCH, steps=s)
+                for h, c, o, m, s in ISLAND_POINTS for f in ((0.5, 1.0) if s == ISLAND_STEPS[0] else (0.5,))]
     if phase == "codecs":  # the reducer's error feedback at the int4 point; sparse top-k on the smallest H's settings,
         # and with plain averaging as SparseLoCo steps (its error feedback standing in for the outer momentum)
         runs = [_like(b, reducer_feedback=True) for b in bests if b["compression"] == "int4"]
@@ -350,13 +388,15 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
             _like(targets[0], outer_lr=1.0, outer_momentum=0.0, **one)]
 
 
-PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune", "codecs", "seeds", "iid", "checks", "schedule")
+PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune", "codecs", "seeds", "iid", "checks", "schedule",
+          "islands-syncdp", "islands")
 
 
 # what each phase builds on: its runs are planned only once these phases have none left to run
 NEEDS = {"tune-syncdp": (), "outer-grid": ("tune-syncdp",), "inner-lr": ("tune-syncdp", "outer-grid")}
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("codecs", "outer-retune")})
-NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune") for phase in PHASES[5:]})  # seeds and after
+NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune") for phase in PHASES[5:9]})  # seeds ...
+NEEDS.update({"islands-syncdp": (), "islands": ()})  # islands plans nothing until sync DP's grid brackets its best
 
 
 def _remaining(phase: str, results: list[dict]) -> list[Run]:
@@ -405,7 +445,7 @@ def summarize(results: list[dict]) -> dict:
     the one-island checks beside."""
     best_dp = _best(results, method="syncdp")
     if best_dp is None:
-        return dict(syncdp=None, points=[], checks=[], iid=[])
+        return dict(syncdp=None, points=[], checks=[], iid=[], islands=[])
     standard = [r for r in results if _standard(r)]
     dp = {r["seed"]: r["final_loss"] for r in standard if r["method"] == "syncdp" and r["inner_lr"] == best_dp["inner_lr"]}
     groups: dict[tuple, list[dict]] = {}
@@ -430,7 +470,21 @@ def summarize(results: list[dict]) -> dict:
     return dict(syncdp=dict(inner_lr=best_dp["inner_lr"], seeds=len(dp), loss_mean=sum(dp.values()) / len(dp),
                             bytes_per_token=best_dp["wire_bytes_per_token"],
                             grid={r["inner_lr"]: r["final_loss"] for r in standard if r["method"] == "syncdp" and r["seed"] == 0}),
-                points=points, checks=checks, iid=iid)
+                points=points, checks=checks, iid=iid, islands=_islands(results))
+
+
+def _islands(results: list[dict]) -> list[dict]:
+    """The larger islands' DiLoCo runs, each with its gap to the best sync DP run of the same size and seed."""
+    def size(r: dict) -> tuple:
+        return r["peers"], r["batch_size"], r["steps"], r["seed"], r["data"]
+
+    dp: dict[tuple, dict] = {}
+    for r in results:
+        if r["method"] == "syncdp" and r["batch_size"] == ISLAND_BATCH and (size(r) not in dp or r["final_loss"] < dp[size(r)]["final_loss"]):
+            dp[size(r)] = r
+    return [dict(r, gap=r["final_loss"] / dp[size(r)]["final_loss"] - 1, syncdp_loss=dp[size(r)]["final_loss"],
+                 syncdp_lr=dp[size(r)]["inner_lr"])
+            for r in results if r["method"] == "diloco" and r["batch_size"] == ISLAND_BATCH and size(r) in dp]
 
 
 def method_name(point: dict, syncdp_lr: float) -> str:
@@ -481,6 +535,15 @@ def report(out: Path) -> str:
         for r in summary["iid"]:
             name = f"H {r['inner_steps']} {r['compression']}, " + method_name(r, r["inner_lr"]) + f", inner lr {r['inner_lr']:g}"
             lines.append(f"| {name} | {r['syncdp_loss']:.4f} | {r['final_loss']:.4f} | **{100 * r['gap']:+.1f}%** |")
+    if summary["islands"]:
+        lines += ["", f"Islands of {ISLAND_BATCH} sequences per inner step ({ISLAND_BATCH // BATCH}× the study's): gap to the "
+                  "best sync DP run at the same global batch, steps and seed", "",
+                  "| run | inner steps | outer steps | fewer bytes than fp32 sync DP | sync DP loss (its lr) | loss | gap |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in sorted(summary["islands"], key=lambda r: (r["inner_steps"], r["inner_lr"], r["seed"])):
+            name = f"H {r['inner_steps']} {r['compression']}, " + method_name(r, r["inner_lr"]) + f", inner lr {r['inner_lr']:g}"
+            lines.append(f"| {name} | {r['steps']} | {r['outer_steps']} | {r['fewer_bytes_than_syncdp']:,.0f}× "
+                         f"| {r['syncdp_loss']:.4f} ({r['syncdp_lr']:g}) | {r['final_loss']:.4f} | **{100 * r['gap']:+.1f}%** |")
     table = "\n".join(lines) + "\n"
     (out / "study.md").write_text(table)
     _plot(summary, out / "study.png")
@@ -553,7 +616,8 @@ def _plot(summary: dict, path: Path) -> None:
     axes.set_ylabel("held-out loss gap to tuned sync DP (%)")
     axes.set_title(f"DiLoCo vs sync DP at equal tokens ({PEERS} islands, {STEPS} inner steps each); band: seeds\n"
                    f"(runs more than {100 * PLOT_GAP_LIMIT:.0f}% behind: in the table only)", fontsize=10)
-    axes.legend(fontsize=7)
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize=7)
     axes.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

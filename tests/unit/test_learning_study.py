@@ -9,6 +9,8 @@ from dataclasses import asdict
 import pytest
 
 from experiments.learning import (
+    ISLAND_BATCH,
+    ISLAND_STEPS,
     SPARSE_H,
     STEPS,
     Run,
@@ -172,6 +174,28 @@ def test_the_gap_is_taken_seed_by_seed_and_the_report_is_written(tmp_path):
     table = report(tmp_path)
     assert "| 120 | int8 | plain averaging (lr 1, momentum 0) | 40 |" in table and "**+0.5%**" in table
     assert (tmp_path / "study.md").read_text() == table and (tmp_path / "study.png").stat().st_size > 1000
+
+
+def test_the_larger_islands_retune_sync_dp_at_their_size_then_compare_at_it(tmp_path):
+    island = dict(batch_size=ISLAND_BATCH)
+    results = [_result("syncdp", 4e-3, 1.3), _result("syncdp", 4e-3, 1.5, steps=ISLAND_STEPS[0], **island)]
+    assert plan("islands", results) == []  # sync DP's grid at this size is not done
+    results += [_result("syncdp", lr, loss, steps=ISLAND_STEPS[0], **island) for lr, loss in ((8e-3, 1.6), (16e-3, 1.7))]
+    # its best is at the grid's low edge: one more below it, and still nothing for DiLoCo
+    assert [r.inner_lr for r in plan("islands-syncdp", results)][-1] == 2e-3 and plan("islands", results) == []
+    results.append(_result("syncdp", 2e-3, 1.55, steps=ISLAND_STEPS[0], **island))
+    longer = [r for r in plan("islands-syncdp", results) if r.steps != ISLAND_STEPS[0]]
+    assert [(r.inner_lr, r.steps, r.batch_size) for r in longer] == [(4e-3, ISLAND_STEPS[1], ISLAND_BATCH)]
+    runs = plan("islands", results)
+    assert {r.batch_size for r in runs} == {ISLAND_BATCH} and all(r.steps // r.inner_steps >= 30 for r in runs)
+    assert {r.inner_lr for r in runs if r.steps == ISLAND_STEPS[0]} == {2e-3, 4e-3}  # 1/2 and 1x sync DP's at the size
+    results += [_result("diloco", 2e-3, 1.53, h=40, codec="int8", outer=(0.7, 0.9), steps=ISLAND_STEPS[0], **island),
+                _result("diloco", 2e-3, 9.0, h=40, codec="int8", outer=(0.7, 0.9), seed=1, steps=ISLAND_STEPS[0], **island)]
+    [row] = summarize(results)["islands"]  # the seed without its sync DP is left out
+    assert row["gap"] == pytest.approx(0.02) and row["syncdp_lr"] == 4e-3 and row["syncdp_loss"] == 1.5
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    assert "| 1.5000 (0.004) | 1.5300 | **+2.0%** |" in report(tmp_path)
+    assert summarize(results)["points"] == []  # the standard table keeps to the standard size
 
 
 def test_a_run_already_in_the_results_is_not_run_again(tmp_path, monkeypatch):
