@@ -69,7 +69,10 @@ SPARSE_H = (10, 24)  # top-k + 2 bits (0.094 B/value): 427x and 1024x fewer byte
 ISLAND_BATCH = 8
 ISLAND_STEPS = (1200, 3600)
 ISLAND_DP_LRS = (4e-3, 8e-3, 16e-3)
-ISLAND_POINTS = ((10, "int8", 0.35, 0.9, 1200), (40, "int8", 0.7, 0.9, 1200), (120, "int8", 0.8, 0.6, 3600))
+# (H, codec, outer lr, momentum, inner steps, DiLoCo's inner lr as multiples of sync DP's best at this size), the
+# longest first so that two jobs end together
+ISLAND_POINTS = ((120, "int8", 0.8, 0.6, 3600, (0.5,)), (40, "int8", 0.7, 0.9, 1200, (0.5, 1.0)),
+                 (10, "int8", 0.35, 0.9, 1200, (0.5,)))
 
 
 @dataclass(frozen=True)
@@ -364,13 +367,13 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
                 runs += [Run("syncdp", best, batch_size=ISLAND_BATCH, steps=s) for s in ISLAND_STEPS[1:]]
         return runs
     if phase == "islands":  # DiLoCo at the larger islands: the standard study's outer optimizer per H, inner lr 1/2
-        # and 1x sync DP's best at the same size (at 1/2 only for the longer runs)
+        # sync DP's best at the same size (the standard study's rule), and 1x at H = 40
         best = _island_syncdp(results)
         if best is None:
             return []
         return [Run("diloco", best * f, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m,
                     batch_size=ISLAND_BATCH, steps=s)
-                for h, c, o, m, s in ISLAND_POINTS for f in ((0.5, 1.0) if s == ISLAND_STEPS[0] else (0.5,))]
+                for h, c, o, m, s, factors in ISLAND_POINTS for f in factors]
     if phase == "codecs":  # the reducer's error feedback at the int4 point; sparse top-k on the smallest H's settings,
         # and with plain averaging as SparseLoCo steps (its error feedback standing in for the outer momentum)
         runs = [_like(b, reducer_feedback=True) for b in bests if b["compression"] == "int4"]

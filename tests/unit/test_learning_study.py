@@ -189,6 +189,7 @@ def test_the_larger_islands_retune_sync_dp_at_their_size_then_compare_at_it(tmp_
     runs = plan("islands", results)
     assert {r.batch_size for r in runs} == {ISLAND_BATCH} and all(r.steps // r.inner_steps >= 30 for r in runs)
     assert {r.inner_lr for r in runs if r.steps == ISLAND_STEPS[0]} == {2e-3, 4e-3}  # 1/2 and 1x sync DP's at the size
+    assert runs[0].steps == ISLAND_STEPS[1]  # the longest first
     results += [_result("diloco", 2e-3, 1.53, h=40, codec="int8", outer=(0.7, 0.9), steps=ISLAND_STEPS[0], **island),
                 _result("diloco", 2e-3, 9.0, h=40, codec="int8", outer=(0.7, 0.9), seed=1, steps=ISLAND_STEPS[0], **island)]
     [row] = summarize(results)["islands"]  # the seed without its sync DP is left out
