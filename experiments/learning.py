@@ -291,15 +291,18 @@ def _like(best: dict, **changes) -> Run:
     return Run("diloco", **{"inner_lr": best["inner_lr"], **fields, **changes})
 
 
-def _island_syncdp(results: list[dict]) -> float | None:
-    """Sync DP's best lr at the larger islands' size, once its grid brackets it (islands-syncdp)."""
+def _island_syncdp_grid(results: list[dict]) -> tuple[list[float], float | None]:
+    """Sync DP's lrs tried at the larger islands' size (seed 0, the shorter run), sorted, and the best of them."""
     short = [r for r in results if r["method"] == "syncdp" and r["batch_size"] == ISLAND_BATCH and r["peers"] == PEERS
              and r["steps"] == ISLAND_STEPS[0] and r["seed"] == 0 and r["data"] == "shards"]
-    if not short:
-        return None
-    tried = sorted(r["inner_lr"] for r in short)
-    best = min(short, key=lambda r: r["final_loss"])["inner_lr"]
-    return best if tried[0] < best < tried[-1] else None
+    best = min(short, key=lambda r: r["final_loss"])["inner_lr"] if short else None
+    return sorted(r["inner_lr"] for r in short), best
+
+
+def _island_syncdp(results: list[dict]) -> float | None:
+    """Sync DP's best lr at the larger islands' size, once its grid brackets it (islands-syncdp)."""
+    tried, best = _island_syncdp_grid(results)
+    return best if tried and tried[0] < best < tried[-1] else None
 
 
 def plan(phase: str, results: list[dict]) -> list[Run]:
@@ -354,12 +357,9 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
     if phase == "iid":  # how much of the gap is the shards' difference: the same runs, every island on all the data
         return [Run("syncdp", lr, data="iid")] + [_like(b, data="iid") for b in targets]
     if phase == "islands-syncdp":  # sync DP's lr at the larger islands' global batch, the grid growing past its edge
-        short = [r for r in results if r["method"] == "syncdp" and r["batch_size"] == ISLAND_BATCH and r["peers"] == PEERS
-                 and r["steps"] == ISLAND_STEPS[0] and r["seed"] == 0 and r["data"] == "shards"]
+        tried, best = _island_syncdp_grid(results)
         runs = [Run("syncdp", lr, batch_size=ISLAND_BATCH, steps=ISLAND_STEPS[0]) for lr in ISLAND_DP_LRS]
-        if {r["inner_lr"] for r in short} >= set(ISLAND_DP_LRS):
-            tried = sorted(r["inner_lr"] for r in short)
-            best = min(short, key=lambda r: r["final_loss"])["inner_lr"]
+        if set(tried) >= set(ISLAND_DP_LRS):
             if best in (tried[0], tried[-1]):
                 runs.append(Run("syncdp", best / 2 if best == tried[0] else best * 2, batch_size=ISLAND_BATCH,
                                 steps=ISLAND_STEPS[0]))
