@@ -231,9 +231,10 @@ def moved_past(records: Mapping[str, Mapping], own: Sequence[Node], own_id: str 
 
 
 def unbacked_claims(records: Mapping[str, Mapping], own: Sequence[Node], own_id: str = "", lead: int = 3) -> dict[str, Node]:
-    """Peers whose head no majority of the electorate (this peer included) vouches for and that lies ``lead`` or
-    more steps past the highest node a majority does vouch for, by peer id: a claim to be ahead that the swarm does
-    not back. {} when no node is backed (a swarm split, or a late joiner that shares no history yet). The caller
+    """Peers whose head lies past ours, no majority of the electorate (this peer included) vouches for it, and it
+    lies ``lead`` or more steps past the highest node a majority does vouch for, by peer id: a claim to be ahead
+    that the swarm does not back. A head at our step or behind it claims nothing we could follow (several peers
+    resumed or joined at an old step can make it the majority's: honest peers at our head are no claimants). {} when no node is backed (a swarm split, or a late joiner that shares no history yet). The caller
     asks only when the swarm gives it nothing to follow (a peer catching up is behind, not lied to)."""
     if not own:
         return {}
@@ -244,7 +245,8 @@ def unbacked_claims(records: Mapping[str, Mapping], own: Sequence[Node], own_id:
         return {}
     return {
         peer: chain[-1] for peer, chain in everyone.items()
-        if peer != own_id and 2 * support[chain[-1]] <= len(everyone) and chain[-1][0] >= backed[0] + lead
+        if peer != own_id and chain[-1][0] > own[-1][0] and 2 * support[chain[-1]] <= len(everyone)
+        and chain[-1][0] >= backed[0] + lead
     }
 
 

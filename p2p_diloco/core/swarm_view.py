@@ -147,8 +147,24 @@ class SwarmView:
         target of 1 would step alone at once (a fork, were the others only slow) and turn every joiner away. The
         target holds for the round's whole search; a quiet peer that comes back counts again from the next round,
         and can still join a group that is not yet full."""
-        quiet = sorted(peer for peer, record in live.items() if silent_s(peer) > self.horizon(record) + QUIET_SLACK_S)
+        quiet = sorted(self.quiet(live, silent_s))
         return (max(2, 1 + len(live) - len(quiet)) if live else 1), quiet
+
+    def quiet(self, live: Mapping[str, dict], silent_s: Callable[[str], float] | None) -> frozenset[str]:
+        """The peers of ``live`` whose record no read of ours found renewed for longer than its horizon plus
+        ``QUIET_SLACK_S``: killed or frozen, their records living on until they expire."""
+        if silent_s is None:
+            return frozenset()
+        return frozenset(peer for peer, record in live.items() if silent_s(peer) > self.horizon(record) + QUIET_SLACK_S)
+
+    def voters(self, records: Mapping[str, dict], silent_s: Callable[[str], float] | None) -> dict[str, dict]:
+        """The peers whose word on the swarm's history counts: the live ones, less the quiet. A killed peer's record
+        votes for the step it died at until it expires (20 s): beside the same peer restarted at that step, it made
+        a majority of four for an old step, under which two honest survivors one step apart took each other's heads
+        for unbacked claims and banned each other (a CI run), and the banned pair's halves forked."""
+        live = self.live(records)
+        quiet = self.quiet(live, silent_s)
+        return {peer: record for peer, record in live.items() if peer not in quiet}
 
     def round_view(self, records: Mapping[str, dict], round_index: int, now: float) -> RoundView:
         """The others' progress in ``round_index``, the senders our reducer left out excepted (their tokens add
@@ -161,15 +177,17 @@ class SwarmView:
         )
 
     def target(self, records: Mapping[str, dict], chain: Sequence[history.Node], fresh: bool,
-               now: float | None = None) -> history.Target | None:
-        """The state to take (history.choose_target among the live peers, those seen a moment ago that this read
-        lacks counted as unseen); with nothing to follow, the heads far ahead are claims the swarm does not back:
-        said once each, and a peer found claiming at ``CLAIMS_TO_BAN`` checks is banned."""
+               now: float | None = None, silent_s: Callable[[str], float] | None = None) -> history.Target | None:
+        """The state to take (history.choose_target among the voters: the live peers less the quiet ones, those
+        seen a moment ago that this read lacks counted as unseen); with nothing to follow, the heads far ahead are
+        claims the swarm does not back: said once each, and a peer found claiming at ``CLAIMS_TO_BAN`` checks is
+        banned. ``silent_s``: how long each peer's record has gone unrenewed (ProgressReader.silent_s)."""
         live = self.live(records)
-        unseen = self._note_unseen(live, time.monotonic() if now is None else now)
-        target = history.choose_target(live, chain, fresh, self.own_id, self.anchors, unseen)
+        voters = self.voters(records, silent_s)
+        unseen = self._note_unseen(live, time.monotonic() if now is None else now, live.keys() - voters.keys())
+        target = history.choose_target(voters, chain, fresh, self.own_id, self.anchors, unseen)
         if target is None and not fresh:
-            for peer, node in history.unbacked_claims(live, chain, self.own_id).items():
+            for peer, node in history.unbacked_claims(voters, chain, self.own_id).items():
                 said, checks = self._claims.get(peer, (frozenset(), 0))
                 if node not in said:
                     logger.warning("ignoring outer step %d claimed by %s: no majority of the swarm vouches for it",
@@ -180,23 +198,26 @@ class SwarmView:
                                     "of our checks")
         return target
 
-    def _note_unseen(self, live: Mapping[str, dict], now: float) -> int:
+    def _note_unseen(self, live: Mapping[str, dict], now: float, quiet: Iterable[str] = ()) -> int:
         """Note who ``live`` shows at ``now``, and return how many peers a read within the last ``MEMORY_PERIODS`` idle
         periods showed live that ``live`` lacks (banned ones aside). A peer that said it left or whose record expired
-        stops counting after that memory."""
+        stops counting after that memory; a ``quiet`` one is not noted as seen: a killed peer, quiet for longer than
+        that memory before its record expires, is not counted as unseen when it does."""
         memory_s = MEMORY_PERIODS * self.idle_s
-        excluded = self.excluded()
+        excluded, quiet = self.excluded(), frozenset(quiet)
         seen = {peer: at for peer, at in self._last_seen.items() if now - at <= memory_s and peer not in excluded}
-        seen.update(dict.fromkeys((peer for peer in live if peer != self.own_id), now))
+        seen.update(dict.fromkeys((peer for peer in live if peer != self.own_id and peer not in quiet), now))
         self._last_seen = seen
         return len(seen.keys() - live.keys())
 
-    def moved_past(self, records: Mapping[str, dict], own_record: Mapping, outer_step: int) -> bool:
-        """Whether a search for a group at ``outer_step`` can no longer succeed (history.moved_past)."""
+    def moved_past(self, records: Mapping[str, dict], own_record: Mapping, outer_step: int,
+                   silent_s: Callable[[str], float] | None = None) -> bool:
+        """Whether a search for a group at ``outer_step`` can no longer succeed (history.moved_past, among the
+        voters: a killed peer's record at an old step kept a search alive that nobody could join)."""
         chain = history.chain_of(own_record)
         if not chain or chain[-1][0] != outer_step:
             return False
-        return history.moved_past(self.live(records), chain, self.own_id)
+        return history.moved_past(self.voters(records, silent_s), chain, self.own_id)
 
     def refuse_donor(self, donor: str, reason: str) -> None:
         """A state we could not verify: a donor that serves ``BAD_STATES_TO_BAN`` of them is banned."""

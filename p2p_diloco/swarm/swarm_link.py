@@ -151,7 +151,7 @@ class SwarmLink:
     def swarm_target(self, chain: Sequence[history.Node], fresh: bool) -> history.Target | None:
         """The state this peer should take, by what the live peers vouch for (SwarmView.target)."""
         banned = self.view.history_banned
-        target = self.view.target(self._all_progress(), chain, fresh)
+        target = self.view.target(self._all_progress(), chain, fresh, silent_s=self._reader.silent_s)
         if self.view.history_banned != banned:
             self._publish_bans()
         return target
@@ -309,7 +309,7 @@ class SwarmLink:
         beacon = self._beacon
         if beacon is None:
             return True
-        return self.view.moved_past(dict(beacon.peers), beacon.own_record(), outer_step)
+        return self.view.moved_past(dict(beacon.peers), beacon.own_record(), outer_step, self._reader.silent_s)
 
     def average_async(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> Future:
         """Start averaging in a background thread and return at once; the future holds the outcome."""

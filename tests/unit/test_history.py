@@ -197,3 +197,42 @@ def test_the_view_remembers_peers_a_read_lacks_for_two_idle_periods():
     assert view_.target({"x": claimer}, start, fresh=True, now=109.0) is None
     # two idle periods on, they are gone (they left, or their records expired): the one left is a swarm of two
     assert view_.target({"x": claimer}, start, fresh=True, now=112.0) == Target(8, sha("x8"), "fresh")
+
+
+def test_a_killed_peers_record_beside_its_restart_makes_no_honest_survivor_a_claimant():
+    """A peer killed at step 2 restarts from its checkpoint at step 2 under a new id; its old record lives until it
+    expires. The two records made a majority of four for step 2, under which two honest survivors one step apart
+    (one's round failed) took each other's heads for unbacked claims and banned each other at the third check (a CI
+    run), and the banned pair's halves forked. A quiet record does not vote, and a head at our step claims nothing."""
+    honest = history("h", 7)
+    records = view({"b": honest[:7], "dead": honest[:3], "back": honest[:3]})
+    # b at our own step: no claim, whatever the majority
+    assert unbacked_claims(records, honest[:7], own_id="a") == {}
+    # b two steps ahead of us (two of our rounds failed): with the killed peer's record voting, step 2 is the majority's
+    records = view({"b": honest, "dead": honest[:3], "back": honest[:3]})
+    assert unbacked_claims(records, honest[:6], own_id="a") == {"b": (7, sha("h7"))}
+    silent = {"b": 0.5, "back": 0.5, "dead": 14.0}  # its record unrenewed for 14 s, against a horizon of 2 + 2 s
+    view_ = SwarmView("a", fast_s=1.0, idle_s=5.0)
+    for check in range(5):
+        assert view_.target(records, honest[:6], fresh=False, now=100.0 + check, silent_s=silent.__getitem__) is None
+    assert view_.history_banned == frozenset()
+    # counting it, b would have been banned: what the CI run did
+    counted = SwarmView("a", fast_s=1.0, idle_s=5.0)
+    for check in range(5):
+        counted.target(records, honest[:6], fresh=False, now=100.0 + check)
+    assert counted.history_banned == {"b"}
+    # when the record expires it is gone, not unseen: it was quiet longer than the view's memory (2 idle periods)
+    alive = {peer: records[peer] for peer in ("b", "back")}
+    assert view_.target(alive, honest[:6], fresh=False, now=115.0, silent_s=silent.__getitem__) is None
+    assert view_._note_unseen(alive, 115.0) == 0
+
+
+def test_a_search_whose_only_partner_at_its_step_was_killed_ends_as_stale():
+    """Killed mid-averaging at step 5, a peer's record still shows step 5 until it expires: the search of a survivor
+    whose other partner moved on to step 6 waited for it to its whole timeout. Quiet, it keeps no search alive."""
+    honest = history("h", 6)
+    records = view({"b": honest, "dead": honest[:6]})
+    own = record(honest[:6])
+    assert not SwarmView("a").moved_past(records, own, 5)
+    assert SwarmView("a").moved_past(records, own, 5, {"b": 0.3, "dead": 9.0}.__getitem__)
+    assert not SwarmView("a").moved_past(records, own, 5, {"b": 0.3, "dead": 3.0}.__getitem__)  # within 2 + 2 s
