@@ -177,14 +177,16 @@ class SwarmView:
         )
 
     def target(self, records: Mapping[str, dict], chain: Sequence[history.Node], fresh: bool,
-               now: float | None = None, silent_s: Callable[[str], float] | None = None) -> history.Target | None:
+               now: float | None = None, silent_s: Callable[[str], float] | None = None,
+               gone: Callable[[str], bool] | None = None) -> history.Target | None:
         """The state to take (history.choose_target among the voters: the live peers less the quiet ones, those
         seen a moment ago that this read lacks counted as unseen); with nothing to follow, the heads far ahead are
         claims the swarm does not back: said once each, and a peer found claiming at ``CLAIMS_TO_BAN`` checks is
-        banned. ``silent_s``: how long each peer's record has gone unrenewed (ProgressReader.silent_s)."""
+        banned. ``silent_s``: how long each peer's record has gone unrenewed (ProgressReader.silent_s); ``gone``:
+        whether a peer's latest record expired (ProgressReader.expired), so that its absence is no partial read."""
         live = self.live(records)
         voters = self.voters(records, silent_s)
-        unseen = self._note_unseen(live, time.monotonic() if now is None else now, live.keys() - voters.keys())
+        unseen = self._note_unseen(live, time.monotonic() if now is None else now, live.keys() - voters.keys(), gone)
         target = history.choose_target(voters, chain, fresh, self.own_id, self.anchors, unseen)
         if target is None and not fresh:
             for peer, node in history.unbacked_claims(voters, chain, self.own_id).items():
@@ -198,15 +200,17 @@ class SwarmView:
                                     "of our checks")
         return target
 
-    def _note_unseen(self, live: Mapping[str, dict], now: float, quiet: Iterable[str] = ()) -> int:
+    def _note_unseen(self, live: Mapping[str, dict], now: float, quiet: Iterable[str] = (),
+                     gone: Callable[[str], bool] | None = None) -> int:
         """Note who ``live`` shows at ``now``, and return how many peers a read within the last ``MEMORY_PERIODS`` idle
-        periods showed live that ``live`` lacks (banned ones aside). A peer that said it left or whose record expired
-        stops counting after that memory; a ``quiet`` one is not noted as seen: a killed peer, quiet for longer than
-        that memory before its record expires, is not counted as unseen when it does."""
+        periods showed live that ``live`` lacks (banned ones aside). A peer that said it left stops counting after
+        that memory; a ``quiet`` one, or one whose record expired (``gone``), at once: a killed peer's record, when
+        it expires, is no partial read (counted unseen, it kept a restarted peer's first catch-up waiting 10 s)."""
         memory_s = MEMORY_PERIODS * self.idle_s
-        excluded, quiet = self.excluded(), frozenset(quiet)
-        seen = {peer: at for peer, at in self._last_seen.items() if now - at <= memory_s and peer not in excluded}
-        seen.update(dict.fromkeys((peer for peer in live if peer != self.own_id and peer not in quiet), now))
+        excluded = self.excluded() | frozenset(quiet)
+        seen = {peer: at for peer, at in self._last_seen.items() if now - at <= memory_s and peer not in excluded
+                and (peer in live or gone is None or not gone(peer))}
+        seen.update(dict.fromkeys((peer for peer in live if peer != self.own_id and peer not in excluded), now))
         self._last_seen = seen
         return len(seen.keys() - live.keys())
 

@@ -39,6 +39,7 @@ _DHT_TIMEOUT_S = 10.0
 # not yet known (and those that know nobody who knows us) show up, and the key's nearest nodes, which a client-mode
 # peer reads from, hold every record
 DHT_EVERY = 10
+_FORGET_EXPIRED_S = 60.0  # how long after a record expired a reader still knows it did
 _PUSH_LIMIT = 64  # a record is pushed to at most this many known peers (the nearest to the key first)
 INTRODUCE_LIMIT = 8  # peers pinged per DHT read at most (chosen at random: anyone can write records under any id)
 _INTRODUCE_AGAIN_S = 60.0  # a peer pinged is not pinged again for this long
@@ -332,6 +333,9 @@ class ProgressReader:
         # from the renewals between two local reads)
         self._renewal: dict[str, tuple[float, float]] = {}
         self._last_read = -math.inf  # when (monotonic) the latest read that answered was made
+        # peer -> the latest expiration (DHT time) a read found for its record, kept after the record is gone: a peer
+        # whose record expired is gone, not missed by a partial read (``expired``)
+        self._expires: dict[str, float] = {}
         self._renewal_lock = threading.Lock()  # two threads read (the beacon's and a round's)
 
     def silent_s(self, peer: str) -> float:
@@ -340,9 +344,20 @@ class ProgressReader:
         seen = self._renewal.get(peer)
         return 0.0 if seen is None else max(0.0, self._last_read - seen[1])
 
+    def expired(self, peer: str) -> bool:
+        """Whether the latest record of ``peer`` a read found has expired by now (DHT time, as the DHT drops it): a
+        read that lacks it for that reason is no partial read (SwarmView.target's ``gone``)."""
+        expiration = self._expires.get(peer)
+        return expiration is not None and expiration <= get_dht_time()
+
     def _note_renewals(self, items: dict[str, tuple[dict, float]]) -> set[str]:
         """Note this read's expirations; the peers whose record it found renewed since an earlier read."""
         with self._renewal_lock:
+            dht_now = get_dht_time()
+            expires = {peer: at for peer, at in self._expires.items() if at > dht_now - _FORGET_EXPIRED_S}
+            for peer, (_, expiration) in items.items():
+                expires[peer] = max(expiration, expires.get(peer, -math.inf))
+            self._expires = expires
             now, before = time.monotonic(), self._renewal
             renewal, renewed = {}, set()
             for peer, (_, expiration) in items.items():

@@ -151,7 +151,8 @@ class SwarmLink:
     def swarm_target(self, chain: Sequence[history.Node], fresh: bool) -> history.Target | None:
         """The state this peer should take, by what the live peers vouch for (SwarmView.target)."""
         banned = self.view.history_banned
-        target = self.view.target(self._all_progress(), chain, fresh, silent_s=self._reader.silent_s)
+        target = self.view.target(self._all_progress(), chain, fresh, silent_s=self._reader.silent_s,
+                                  gone=self._reader.expired)
         if self.view.history_banned != banned:
             self._publish_bans()
         return target

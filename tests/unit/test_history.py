@@ -221,10 +221,28 @@ def test_a_killed_peers_record_beside_its_restart_makes_no_honest_survivor_a_cla
     for check in range(5):
         counted.target(records, honest[:6], fresh=False, now=100.0 + check)
     assert counted.history_banned == {"b"}
-    # when the record expires it is gone, not unseen: it was quiet longer than the view's memory (2 idle periods)
-    alive = {peer: records[peer] for peer in ("b", "back")}
-    assert view_.target(alive, honest[:6], fresh=False, now=115.0, silent_s=silent.__getitem__) is None
-    assert view_._note_unseen(alive, 115.0) == 0
+    # when its record expires it is gone, not unseen (a partial read): seen live a moment before it went quiet, it
+    # counted as a peer at the restarted one's head for the view's memory (2 idle periods), and the restarted peer,
+    # fresh, waited that long to take the survivors' head
+    later = history("h", 12)  # the survivors ten steps on: their chains no longer reach back to step 2
+    restarted = SwarmView("back", fast_s=1.0, idle_s=5.0)
+    survivors = {"a": record(later), "b": record(later)}
+    silent = {"dead": 0.5}
+    silent_s = lambda peer: silent.get(peer, 0.5)  # noqa: E731
+    # the killed peer's record at the restarted one's head: one against two, no more vouch for theirs (2) than are
+    # at ours (2); waiting is what a fresh peer does beside a second peer at its start
+    assert restarted.target({**survivors, "dead": record(honest[:3])}, honest[:3], True, 100.0, silent_s) is None
+    silent["dead"] = 14.0  # quiet: no vote
+    expected = Target(12, sha("h12"), "fresh")
+    assert restarted.target({**survivors, "dead": record(honest[:3])}, honest[:3], True, 101.0, silent_s) == expected
+    assert restarted.target(survivors, honest[:3], True, 102.0, silent_s) == expected  # expired: gone, not unseen
+    # its record expires before it looks quiet (a restarted peer's first reads find it unrenewed for less than its
+    # horizon): a record that expired is gone too, not missed by a partial read; one that did not is unseen
+    for gone, taken in ((lambda peer: peer == "dead", expected), (lambda peer: False, None), (None, None)):
+        fresh_view = SwarmView("back", fast_s=1.0, idle_s=5.0)
+        assert fresh_view.target({**survivors, "dead": record(honest[:3])}, honest[:3], True, 100.0, lambda _: 0.0) is None
+        assert fresh_view.target(survivors, honest[:3], True, 101.0, lambda _: 0.0, gone) == taken
+
 
 
 def test_a_search_whose_only_partner_at_its_step_was_killed_ends_as_stale():

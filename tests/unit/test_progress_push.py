@@ -183,3 +183,22 @@ def test_a_peer_is_silent_from_the_last_read_that_found_its_record_renewed(monke
     swarm.pushing.add("b")  # back (thawed): the next read that finds it renewed resets its silence
     read()
     assert read.silent_s("b") == 0.0
+
+
+def test_a_reader_knows_a_record_expired_after_it_is_gone(monkeypatch):
+    """A peer a read lacks because its record expired is gone, not missed by a partial read (SwarmView's ``gone``): the
+    reader keeps the latest expiration it found for each record, past the record itself."""
+    dht_now = [1000.0]
+    monkeypatch.setattr("p2p_diloco.swarm.progress.get_dht_time", lambda: dht_now[0])
+    local = {"a": dict(round=1), "b": dict(round=1)}
+    swarm = _Swarm(local, dict(local), pushing={"a", "b"})  # the n-th read finds expirations of 1000 + n + 20
+    read = _reader(swarm, True, monkeypatch)
+    assert not read.expired("a") and not read.expired("never read")
+    read()
+    read()
+    assert not read.expired("a") and not read.expired("b")
+    del swarm.local["b"], swarm.everywhere["b"]  # b was killed: its record expired and the DHT dropped it
+    read()
+    read()
+    dht_now[0] = 1021.5  # past b's latest expiration (1021), before a's (1023)
+    assert read.expired("b") and not read.expired("a")
