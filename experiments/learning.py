@@ -34,7 +34,7 @@ import json
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -73,6 +73,14 @@ ISLAND_DP_LRS = (4e-3, 8e-3, 16e-3)
 # longest first so that two jobs end together
 ISLAND_POINTS = ((120, "int8", 0.8, 0.6, 3600, (0.5,)), (40, "int8", 0.7, 0.9, 1200, (0.5, 1.0)),
                  (10, "int8", 0.35, 0.9, 1200, (0.5,)))
+# model size (the "small model" suspect): the default model's width halved and doubled (about 1/4 and 4x the params),
+# the same tokens; sync DP over a small lr grid at each width (grown by one at the edge where the best was: 16e-3 at
+# d 64, 1e-3 at d 256), DiLoCo at the 473x point with the outer optimizer the standard study found there and its
+# inner lr at 1/2 of each sync DP lr (its rule); the smaller width first
+D_MODEL = ModelConfig().d_model
+SIZE_POINTS = ((64, (4e-3, 8e-3, 16e-3)), (256, (1e-3, 2e-3, 4e-3)))  # (d_model, sync DP's lr grid)
+SIZE_DILOCO = (120, "int8", 0.8, 0.6)  # (H, codec, outer lr, momentum)
+SIZE_SEEDS = (1,)  # once a width's grid is done: its best sync DP lr and DiLoCo inner lr again at these seeds
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,7 @@ class Run:
     schedule: str = "fixed"  # "grow": the same number of rounds, H rising from H/2 to 3H/2 (round_ends)
     reducer_feedback: bool = False  # the reducer's re-encode keeps its error for the next round (a stable group)
     data: str = "shards"  # "shards": each island a contiguous quarter of the corpus (as peers); "iid": all of it
+    d_model: int = D_MODEL  # the built-in model's width (its layers, heads and context stay the default's)
 
     def __post_init__(self) -> None:
         if self.data not in ("shards", "iid"):
@@ -111,6 +120,7 @@ class Run:
         size = "" if (self.peers, self.batch_size, self.steps) == (PEERS, BATCH, STEPS) else (
             f" peers={self.peers} batch={self.batch_size} steps={self.steps}")
         size += " data=iid" if self.data == "iid" else ""
+        size += f" d={self.d_model}" if self.d_model != D_MODEL else ""
         if self.method == "syncdp":
             return f"syncdp lr={self.inner_lr:g} seed={self.seed}{size}"
         schedule = "" if self.schedule == "fixed" else f" {self.schedule}"
@@ -149,7 +159,7 @@ def lr_factor(step: int, steps: int, warmup: int = WARMUP, final: float = FINAL_
 
 def _shards(run: Run) -> tuple[ModelConfig, list[Dataset], list]:
     torch.set_num_threads(1)
-    config = ModelConfig()
+    config = ModelConfig(d_model=run.d_model)
     if run.data == "iid":  # every island samples windows of the whole training set, each in its own order
         shards = [Dataset(DataConfig(num_shards=1), config.seq_len, run.batch_size, run.seed + 104_729 * i)
                   for i in range(run.peers)]
@@ -265,12 +275,14 @@ def load(out: Path) -> list[dict]:
         result.setdefault("schedule", "fixed")  # rows written before schedules existed
         result.setdefault("reducer_feedback", False)
         result.setdefault("data", "shards")
+        result.setdefault("d_model", D_MODEL)
     return results
 
 
 def _standard(result: dict) -> bool:
     """A run of the study's own size on the peers' shards (the one-island checks and the iid runs are not)."""
-    return (result["peers"], result["batch_size"], result["steps"], result["data"]) == (PEERS, BATCH, STEPS, "shards")
+    return ((result["peers"], result["batch_size"], result["steps"], result["data"], result.get("d_model", D_MODEL))
+            == (PEERS, BATCH, STEPS, "shards", D_MODEL))
 
 
 def _best(results: list[dict], **match) -> dict | None:
@@ -311,6 +323,19 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
         raise ValueError(f"unknown phase {phase!r}")
     if phase == "tune-syncdp":
         return [Run("syncdp", lr) for lr in SYNC_DP_LRS]
+    if phase == "sizes":  # needs nothing: its grids are fixed, and the gap is taken to the best sync DP at each width
+        h, c, o, m = SIZE_DILOCO
+        grids = {d: [*(Run("syncdp", lr, d_model=d) for lr in lrs),
+                     *(Run("diloco", lr / 2, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m, d_model=d) for lr in lrs)]
+                 for d, lrs in SIZE_POINTS}
+        done = {r["key"]: r for r in results}
+        seeds = []
+        for grid in grids.values():
+            if all(run.key in done for run in grid):
+                for method in ("syncdp", "diloco"):
+                    best = min((run for run in grid if run.method == method), key=lambda run: done[run.key]["final_loss"])
+                    seeds += [replace(best, seed=s) for s in SIZE_SEEDS]
+        return [run for grid in grids.values() for run in grid] + seeds
     best_dp = _best(results, method="syncdp")
     if best_dp is None:
         return []  # nothing to build on yet
@@ -392,14 +417,14 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
 
 
 PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune", "codecs", "seeds", "iid", "checks", "schedule",
-          "islands-syncdp", "islands")
+          "islands-syncdp", "islands", "sizes")
 
 
 # what each phase builds on: its runs are planned only once these phases have none left to run
 NEEDS = {"tune-syncdp": (), "outer-grid": ("tune-syncdp",), "inner-lr": ("tune-syncdp", "outer-grid")}
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("codecs", "outer-retune")})
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune") for phase in PHASES[5:9]})  # seeds ...
-NEEDS.update({"islands-syncdp": (), "islands": ()})  # islands plans nothing until sync DP's grid brackets its best
+NEEDS.update({"islands-syncdp": (), "islands": (), "sizes": ()})  # islands plans nothing until sync DP's grid brackets its best
 
 
 def _remaining(phase: str, results: list[dict]) -> list[Run]:
@@ -448,7 +473,7 @@ def summarize(results: list[dict]) -> dict:
     the one-island checks beside."""
     best_dp = _best(results, method="syncdp")
     if best_dp is None:
-        return dict(syncdp=None, points=[], checks=[], iid=[], islands=[])
+        return dict(syncdp=None, points=[], checks=[], iid=[], islands=[], sizes=[])
     standard = [r for r in results if _standard(r)]
     dp = {r["seed"]: r["final_loss"] for r in standard if r["method"] == "syncdp" and r["inner_lr"] == best_dp["inner_lr"]}
     groups: dict[tuple, list[dict]] = {}
@@ -473,7 +498,7 @@ def summarize(results: list[dict]) -> dict:
     return dict(syncdp=dict(inner_lr=best_dp["inner_lr"], seeds=len(dp), loss_mean=sum(dp.values()) / len(dp),
                             bytes_per_token=best_dp["wire_bytes_per_token"],
                             grid={r["inner_lr"]: r["final_loss"] for r in standard if r["method"] == "syncdp" and r["seed"] == 0}),
-                points=points, checks=checks, iid=iid, islands=_islands(results))
+                points=points, checks=checks, iid=iid, islands=_islands(results), sizes=_sizes(results))
 
 
 def _islands(results: list[dict]) -> list[dict]:
@@ -488,6 +513,33 @@ def _islands(results: list[dict]) -> list[dict]:
     return [dict(r, gap=r["final_loss"] / dp[size(r)]["final_loss"] - 1, syncdp_loss=dp[size(r)]["final_loss"],
                  syncdp_lr=dp[size(r)]["inner_lr"])
             for r in results if r["method"] == "diloco" and r["batch_size"] == ISLAND_BATCH and size(r) in dp]
+
+
+def _sizes(results: list[dict]) -> list[dict]:
+    """The sizes phase at each width, the default's own runs among them: per width and seed, the best sync DP run and
+    the best DiLoCo run at SIZE_DILOCO (over the inner lrs tried), with the gap between them."""
+    h, c, o, m = SIZE_DILOCO
+    def at(r: dict) -> bool:
+        return (r["peers"], r["batch_size"], r["steps"], r["data"]) == (PEERS, BATCH, STEPS, "shards") and r["schedule"] == "fixed"
+
+    best: dict[tuple, dict] = {}
+    for r in results:
+        if not at(r) or (r["method"] == "diloco" and ((r["inner_steps"], r["compression"], r["outer_lr"], r["outer_momentum"],
+                                                       r["reducer_feedback"]) != (h, c, o, m, False))):
+            continue
+        key = (r["d_model"], r["seed"], r["method"])
+        if key not in best or r["final_loss"] < best[key]["final_loss"]:
+            best[key] = r
+    widths = {key[0] for key in best if key[0] != D_MODEL}
+    return [dict(d_model=d, seed=seed, params=_params(d), syncdp_lr=dp["inner_lr"],
+                 syncdp_loss=dp["final_loss"], inner_lr=best[(d, seed, "diloco")]["inner_lr"],
+                 loss=best[(d, seed, "diloco")]["final_loss"], gap=best[(d, seed, "diloco")]["final_loss"] / dp["final_loss"] - 1)
+            for (d, seed, method), dp in sorted(best.items())
+            if method == "syncdp" and (d, seed, "diloco") in best and widths]
+
+
+def _params(d_model: int) -> int:
+    return sum(p.numel() for p in build_model(ModelConfig(d_model=d_model), 0).parameters())
 
 
 def method_name(point: dict, syncdp_lr: float) -> str:
@@ -547,6 +599,14 @@ def report(out: Path) -> str:
             name = f"H {r['inner_steps']} {r['compression']}, " + method_name(r, r["inner_lr"]) + f", inner lr {r['inner_lr']:g}"
             lines.append(f"| {name} | {r['steps']} | {r['outer_steps']} | {r['fewer_bytes_than_syncdp']:,.0f}× "
                          f"| {r['syncdp_loss']:.4f} ({r['syncdp_lr']:g}) | {r['final_loss']:.4f} | **{100 * r['gap']:+.1f}%** |")
+    if summary["sizes"]:
+        h, c, o, m = SIZE_DILOCO
+        lines += ["", f"Model width (the default {D_MODEL}; layers, heads, context and tokens unchanged): DiLoCo at H {h} {c}, "
+                  f"Nesterov {o:g} / {m:g}, against the best sync DP at the same width and seed", "",
+                  "| d_model | params | seed | sync DP loss (its lr) | DiLoCo loss (its inner lr) | gap |", "|---|---|---|---|---|---|"]
+        for r in summary["sizes"]:
+            lines.append(f"| {r['d_model']} | {r['params'] / 1e6:.2f}M | {r['seed']} | {r['syncdp_loss']:.4f} ({r['syncdp_lr']:g}) "
+                         f"| {r['loss']:.4f} ({r['inner_lr']:g}) | **{100 * r['gap']:+.1f}%** |")
     table = "\n".join(lines) + "\n"
     (out / "study.md").write_text(table)
     _plot(summary, out / "study.png")

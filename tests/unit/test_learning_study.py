@@ -11,6 +11,9 @@ import pytest
 from experiments.learning import (
     ISLAND_BATCH,
     ISLAND_STEPS,
+    SIZE_DILOCO,
+    SIZE_POINTS,
+    SIZE_SEEDS,
     SPARSE_H,
     STEPS,
     Run,
@@ -197,6 +200,38 @@ def test_the_larger_islands_retune_sync_dp_at_their_size_then_compare_at_it(tmp_
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     assert "| 1.5000 (0.004) | 1.5300 | **+2.0%** |" in report(tmp_path)
     assert summarize(results)["points"] == []  # the standard table keeps to the standard size
+
+
+def test_the_model_sizes_compare_each_width_to_the_best_sync_dp_at_that_width(tmp_path):
+    runs = plan("sizes", [])
+    assert {r.d_model for r in runs} == {d for d, _ in SIZE_POINTS} and runs[0].d_model == SIZE_POINTS[0][0]
+    h, codec, o, m = SIZE_DILOCO
+    for d, lrs in SIZE_POINTS:  # DiLoCo's inner lr at 1/2 of each sync DP lr of the width's grid, at the 473x point
+        assert {r.inner_lr for r in runs if r.d_model == d and r.method == "syncdp"} == set(lrs)
+        assert {(r.inner_lr, r.inner_steps, r.compression, r.outer_lr, r.outer_momentum)
+                for r in runs if r.d_model == d and r.method == "diloco"} == {(lr / 2, h, codec, o, m) for lr in lrs}
+    assert "d=256" in Run("syncdp", 2e-3, d_model=256).key and Run("syncdp", 2e-3).key == "syncdp lr=0.002 seed=0"
+    outer = (o, m)
+    results = [_result("syncdp", 4e-3, 1.30), _result("diloco", 2e-3, 1.56, h=h, codec=codec, outer=outer),
+               _result("diloco", 2e-3, 1.20, h=h, codec=codec, outer=(1.0, 0.0)),  # another outer optimizer: not this row
+               _result("syncdp", 2e-3, 1.25, d_model=256), _result("syncdp", 4e-3, 1.20, d_model=256),
+               _result("diloco", 1e-3, 1.32, h=h, codec=codec, outer=outer, d_model=256),
+               _result("diloco", 2e-3, 1.26, h=h, codec=codec, outer=outer, d_model=256)]
+    summary = summarize(results)
+    assert [(r["d_model"], r["syncdp_lr"], r["inner_lr"]) for r in summary["sizes"]] == [(128, 4e-3, 2e-3), (256, 4e-3, 2e-3)]
+    assert [round(r["gap"], 4) for r in summary["sizes"]] == [0.2, 0.05]
+    assert summary["sizes"][1]["params"] > 3 * summary["sizes"][0]["params"]
+    assert len(summary["points"]) == 2 and summary["syncdp"]["grid"] == {4e-3: 1.30}  # the other widths stay out
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    assert "| 256 | 3.26M | 0 | 1.2000 (0.004) | 1.2600 (0.002) | **+5.0%** |" in report(tmp_path)
+    # a width whose grid is done runs its best sync DP lr and DiLoCo inner lr again at more seeds; another's does not
+    grid = [r for r in runs if r.d_model == 256]
+    done = [_result(r.method, r.inner_lr, 1.2 + (r.inner_lr != {"syncdp": 4e-3, "diloco": 1e-3}[r.method]),
+                    h=r.inner_steps, codec=r.compression, outer=(r.outer_lr, r.outer_momentum), d_model=256) for r in grid]
+    more = [r for r in plan("sizes", done) if r.seed != 0]
+    assert {(r.method, r.inner_lr, r.d_model, r.seed) for r in more} == {
+        (method, lr, 256, s) for method, lr in (("syncdp", 4e-3), ("diloco", 1e-3)) for s in SIZE_SEEDS}
+    assert all(r.seed == 0 for r in plan("sizes", done[:-1]))
 
 
 def test_a_run_already_in_the_results_is_not_run_again(tmp_path, monkeypatch):
