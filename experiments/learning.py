@@ -74,11 +74,11 @@ ISLAND_DP_LRS = (4e-3, 8e-3, 16e-3)
 ISLAND_POINTS = ((120, "int8", 0.8, 0.6, 3600, (0.5,)), (40, "int8", 0.7, 0.9, 1200, (0.5, 1.0)),
                  (10, "int8", 0.35, 0.9, 1200, (0.5,)))
 # model size (the "small model" suspect): the default model's width halved and doubled (about 1/4 and 4x the params),
-# the same tokens; sync DP over a small lr grid at each width (grown by one at the edge where the best was: 16e-3 at
-# d 64, 1e-3 at d 256), DiLoCo at the 473x point with the outer optimizer the standard study found there and its
+# the same tokens; sync DP over a small lr grid at each width (grown at the edge where the best was: 16e-3 at d 64,
+# 1e-3 and 5e-4 at d 256), DiLoCo at the 473x point with the outer optimizer the standard study found there and its
 # inner lr at 1/2 of each sync DP lr (its rule); the smaller width first
 D_MODEL = ModelConfig().d_model
-SIZE_POINTS = ((64, (4e-3, 8e-3, 16e-3)), (256, (1e-3, 2e-3, 4e-3)))  # (d_model, sync DP's lr grid)
+SIZE_POINTS = ((64, (4e-3, 8e-3, 16e-3)), (256, (5e-4, 1e-3, 2e-3, 4e-3)))  # (d_model, sync DP's lr grid)
 SIZE_DILOCO = (120, "int8", 0.8, 0.6)  # (H, codec, outer lr, momentum)
 SIZE_SEEDS = (1,)  # once a width's grid is done: its best sync DP lr and DiLoCo inner lr again at these seeds
 
