@@ -234,8 +234,9 @@ def unbacked_claims(records: Mapping[str, Mapping], own: Sequence[Node], own_id:
     """Peers whose head lies past ours, no majority of the electorate (this peer included) vouches for it, and it
     lies ``lead`` or more steps past the highest node a majority does vouch for, by peer id: a claim to be ahead
     that the swarm does not back. A head at our step or behind it claims nothing we could follow (several peers
-    resumed or joined at an old step can make it the majority's: honest peers at our head are no claimants). {} when no node is backed (a swarm split, or a late joiner that shares no history yet). The caller
-    asks only when the swarm gives it nothing to follow (a peer catching up is behind, not lied to)."""
+    resumed or joined at an old step can make it the majority's: honest peers at our head are no claimants). {}
+    when no node is backed (a swarm split, or a late joiner that shares no history yet). The caller asks only when
+    the swarm gives it nothing to follow (a peer catching up is behind, not lied to)."""
     if not own:
         return {}
     everyone = {**_others(records, own_id), own_id: tuple(own)}

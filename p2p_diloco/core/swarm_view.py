@@ -157,12 +157,11 @@ class SwarmView:
             return frozenset()
         return frozenset(peer for peer, record in live.items() if silent_s(peer) > self.horizon(record) + QUIET_SLACK_S)
 
-    def voters(self, records: Mapping[str, dict], silent_s: Callable[[str], float] | None) -> dict[str, dict]:
-        """The peers whose word on the swarm's history counts: the live ones, less the quiet. A killed peer's record
+    def voters(self, live: Mapping[str, dict], silent_s: Callable[[str], float] | None) -> dict[str, dict]:
+        """The peers of ``live`` whose word on the swarm's history counts: less the quiet ones. A killed peer's record
         votes for the step it died at until it expires (20 s): beside the same peer restarted at that step, it made
         a majority of four for an old step, under which two honest survivors one step apart took each other's heads
         for unbacked claims and banned each other (a CI run), and the banned pair's halves forked."""
-        live = self.live(records)
         quiet = self.quiet(live, silent_s)
         return {peer: record for peer, record in live.items() if peer not in quiet}
 
@@ -185,7 +184,7 @@ class SwarmView:
         banned. ``silent_s``: how long each peer's record has gone unrenewed (ProgressReader.silent_s); ``gone``:
         whether a peer's latest record expired (ProgressReader.expired), so that its absence is no partial read."""
         live = self.live(records)
-        voters = self.voters(records, silent_s)
+        voters = self.voters(live, silent_s)
         unseen = self._note_unseen(live, time.monotonic() if now is None else now, live.keys() - voters.keys(), gone)
         target = history.choose_target(voters, chain, fresh, self.own_id, self.anchors, unseen)
         if target is None and not fresh:
@@ -221,7 +220,7 @@ class SwarmView:
         chain = history.chain_of(own_record)
         if not chain or chain[-1][0] != outer_step:
             return False
-        return history.moved_past(self.voters(records, silent_s), chain, self.own_id)
+        return history.moved_past(self.voters(self.live(records), silent_s), chain, self.own_id)
 
     def refuse_donor(self, donor: str, reason: str) -> None:
         """A state we could not verify: a donor that serves ``BAD_STATES_TO_BAN`` of them is banned."""
