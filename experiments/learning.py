@@ -81,6 +81,13 @@ D_MODEL = ModelConfig().d_model
 SIZE_POINTS = ((64, (4e-3, 8e-3, 16e-3)), (256, (5e-4, 1e-3, 2e-3, 4e-3)))  # (d_model, sync DP's lr grid)
 SIZE_DILOCO = (120, "int8", 0.8, 0.6)  # (H, codec, outer lr, momentum)
 SIZE_SEEDS = (1,)  # once a width's grid is done: its best sync DP lr and DiLoCo inner lr again at these seeds
+# cheaper codecs at the targets' bytes, so more rounds (the gap grows with H): (H, codec, outer optimizers); the inner lr
+# at 1/2 of sync DP's best (the study's rule), both error feedbacks on (the peer's default), the outer optimizer the
+# study found nearest each H; int2 at H = 32 and 80 is 410x and 1024x fewer bytes than fp32 sync DP, int4 at H = 60 and
+# 150 427x and 1067x
+LOW_BIT_POINTS = ((32, "int2", ((0.7, 0.9),)), (80, "int2", ((0.8, 0.6),)), (60, "int4", ((0.7, 0.9),)),
+                  (150, "int4", ((0.8, 0.6),)))
+LOW_BIT_TARGETS = (400, 1000)  # once the grid is done: each codec's best at each target's bytes (to the next) at SEEDS[1:]
 
 
 @dataclass(frozen=True)
@@ -340,6 +347,17 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
     if best_dp is None:
         return []  # nothing to build on yet
     lr = best_dp["inner_lr"]
+    if phase == "low-bit":
+        runs = [Run("diloco", lr / 2, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m, reducer_feedback=True)
+                for h, c, grid in LOW_BIT_POINTS for o, m in grid]
+        done = {r["key"]: r for r in results}
+        if all(run.key in done for run in runs):
+            for low, high in zip(LOW_BIT_TARGETS, (*LOW_BIT_TARGETS[1:], float("inf"))):
+                for codec in dict.fromkeys(c for _, c, _ in LOW_BIT_POINTS):
+                    bracket = [run for run in runs if low <= run.fewer_bytes_than_syncdp < high and run.compression == codec]
+                    best = min(bracket, key=lambda run: done[run.key]["final_loss"])
+                    runs += [replace(best, seed=s) for s in SEEDS[1:]]
+        return runs
     if phase == "outer-grid":
         return [Run("diloco", lr, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m)
                 for h, c in DILOCO_POINTS for o, m in OUTER_GRID]
@@ -417,14 +435,14 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
 
 
 PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune", "codecs", "seeds", "iid", "checks", "schedule",
-          "islands-syncdp", "islands", "sizes")
+          "islands-syncdp", "islands", "sizes", "low-bit")
 
 
 # what each phase builds on: its runs are planned only once these phases have none left to run
 NEEDS = {"tune-syncdp": (), "outer-grid": ("tune-syncdp",), "inner-lr": ("tune-syncdp", "outer-grid")}
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("codecs", "outer-retune")})
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune") for phase in PHASES[5:9]})  # seeds ...
-NEEDS.update({"islands-syncdp": (), "islands": (), "sizes": ()})  # islands plans nothing until sync DP's grid brackets its best
+NEEDS.update({"islands-syncdp": (), "islands": (), "sizes": (), "low-bit": ("tune-syncdp",)})  # islands plans nothing until sync DP's grid brackets its best
 
 
 def _remaining(phase: str, results: list[dict]) -> list[Run]:
@@ -619,7 +637,9 @@ def curves(summary: dict) -> dict[str, list[dict]]:
     - *tuned*: at each H and codec, the setting with the lowest mean gap (outer optimizer and inner lr tuned);
     - the outer optimizers of the grid at sync DP's inner lr (the default 0.7/0.9 among them);
     - *H growing*, *reducer's error feedback*: the tuned settings with that one change;
-    - *topk*: sparse 2-bit outer gradients, with and without the reducer's error feedback.
+    - *topk*: sparse 2-bit outer gradients, with and without the reducer's error feedback;
+    - *int2*, *int4* of the low-bit phase (a cheaper codec at a smaller H, both error feedbacks): the best outer
+      optimizer tried at each H.
     """
     dp_lr = summary["syncdp"]["inner_lr"]
     fixed = [p for p in summary["points"] if p["schedule"] == "fixed"]
@@ -633,6 +653,8 @@ def curves(summary: dict) -> dict[str, list[dict]]:
         for p in ps:
             if p["inner_lr"] == dp_lr:
                 found.setdefault(method_name(p, dp_lr) + ", sync DP's inner lr", []).append(p)
+    low_bit = {(h, c) for h, c, _ in LOW_BIT_POINTS}
+    low_bit_found: dict[str, dict[int, list[dict]]] = {}
     for p in summary["points"]:
         if p["schedule"] == "grow":
             found.setdefault("H growing, " + ("sync DP's inner lr" if p["inner_lr"] == dp_lr else "tuned"), []).append(p)
@@ -640,8 +662,13 @@ def curves(summary: dict) -> dict[str, list[dict]]:
             outer = "plain averaging" if p["outer_momentum"] == 0 else f"Nesterov {p['outer_lr']:g}/{p['outer_momentum']:g}"
             name = f"topk, {outer}" + (" + reducer's error feedback" if p["reducer_feedback"] else "")
             found.setdefault(name, []).append(p)
+        elif p["reducer_feedback"] and (p["inner_steps"], p["compression"]) in low_bit:
+            low_bit_found.setdefault(p["compression"], {}).setdefault(p["inner_steps"], []).append(p)
         elif p["reducer_feedback"]:
             found.setdefault("tuned + reducer's error feedback", []).append(p)
+    for codec, by_h in low_bit_found.items():
+        found[f"{codec}, both error feedbacks, more rounds (best outer per H)"] = [min(ps, key=lambda p: p["gap_mean"])
+                                                                              for ps in by_h.values()]
     for points in found.values():
         points.sort(key=lambda p: p["wire_bytes_per_token"])
     return found
@@ -661,7 +688,7 @@ def _plot(summary: dict, path: Path) -> None:
             continue
         x = [p["wire_bytes_per_token"] for p in points]
         tuned = name.startswith("tuned (")
-        style = dict(marker="o", linewidth=2.2 if tuned else 1.2, linestyle="-" if tuned or "topk" in name else ":")
+        style = dict(marker="o", linewidth=2.2 if tuned else 1.2, linestyle="-" if tuned or name.startswith(("topk", "int2")) else ":")
         color = next(colors)
         axes.plot(x, [100 * p["gap_mean"] for p in points], label=name, color=color, **style)
         if any(p["seeds"] > 1 for p in points):

@@ -1,4 +1,4 @@
-"""Outer-gradient codecs side by side: the same local swarm with none, fp16, int8 and int4 (+ error feedback).
+"""Outer-gradient codecs side by side: the same local swarm with none, fp16, int8, and int4, int2 and topk (+ error feedback).
 
     python scripts/bench_compression.py --out runs/compression [--peers 3] [--outer-steps 12] [peer flags]
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from
 
 from p2p_diloco.cli.peer_processes import run_to_end  # noqa: E402
 
-CODECS = ("none", "fp16", "int8", "int4", "topk")
+CODECS = ("none", "fp16", "int8", "int4", "int2", "topk")
 
 
 def run_codec(out_dir: Path, codec: str, peers: int, outer_steps: int, flags: list[str]) -> dict:

@@ -5,7 +5,7 @@
 
 Prints the sha256 of: the seeded init of the built-in model; five outer steps (Nesterov, lr 0.7, momentum 0.9) on
 whole tensors and five on streaming segments, params and momentum; and the decoding of fixed payloads of every
-codec (none, fp16, int8, int4). The inputs come from portable.py's SHAKE-256 draws, so they are the same bytes
+codec (none, fp16, int8, int4, int2). The inputs come from portable.py's SHAKE-256 draws, so they are the same bytes
 everywhere. Run it under several ``ATEN_CPU_CAPABILITY`` values, thread counts and devices: the portable
 computations must print the same hashes (docs/design.md §5). Two controls, torch's own ``normal_`` and a fused
 ``add(alpha=)``, are not portable: where they differ between two runs, the runs really used other kernels.
@@ -54,7 +54,8 @@ def decodes(device: torch.device) -> dict[str, str]:
         "none": torch.frombuffer(bytearray(raw["none"]), dtype=torch.float32).to(device),
         "fp16": torch.frombuffer(bytearray(raw["fp16"]), dtype=torch.float16).to(device).float(),
     }
-    for name, code, per_byte in (("int8", compression.dynamic_code(), 1), ("int4", compression.nf4_code(), 2)):
+    for name, code, per_byte in (("int8", compression.dynamic_code(), 1), ("int4", compression.nf4_code(), 2),
+                                 ("int2", compression.int2_code(), 4)):
         codec = compression.make_codec(name)
         blocks = -(-_VALUES // codec.block_size)
         absmax = seeded_uniform(blocks, f"{name} scales").mul_(fp32(3.0))
@@ -63,7 +64,12 @@ def decodes(device: torch.device) -> dict[str, str]:
         )
         payload = absmax.numpy().tobytes() + packed.numpy().tobytes()
         on_cpu = codec.decode(payload, _VALUES)  # the codec's own path (the CPU)
-        indices = packed if per_byte == 1 else torch.stack([packed >> 4, packed & 15], dim=1).view(-1)[:_VALUES]
+        if per_byte == 1:
+            indices = packed
+        elif per_byte == 2:  # int4: the first value in the high nibble
+            indices = torch.stack([packed >> 4, packed & 15], dim=1).view(-1)[:_VALUES]
+        else:  # int2: the first value in the lowest two bits
+            indices = torch.stack([packed & 3, (packed >> 2) & 3, (packed >> 4) & 3, packed >> 6], dim=1).view(-1)[:_VALUES]
         on_device = compression.scaled_lookup(code.to(device), indices.to(device), absmax.to(device), codec.block_size)
         if not torch.equal(on_cpu.view(torch.int32), on_device.cpu().view(torch.int32)):
             found[name + " (codec differs from device)"] = on_device

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-COMPRESSIONS = ("none", "fp16", "int8", "int4", "topk")
+COMPRESSIONS = ("none", "fp16", "int8", "int4", "int2", "topk")
 REACHABILITY = ("auto", "direct", "relay", "client")  # how a peer takes part; see swarm/reachability.py
 PROGRESS_TRANSPORTS = ("push", "dht")  # how progress records travel; see swarm/progress.py
 ISLAND_SHARDINGS = ("ddp", "fsdp")  # how the ranks of a torchrun island hold the model; see train/island.py
@@ -197,10 +197,10 @@ class SwarmConfig:
     identity_path: str | None = knob(None, "private key file that keeps the peer id across restarts (made if missing)",
                                      flag="--identity", metavar="PATH")
     compression: str = knob("int8", "outer gradient codec on the wire: none (fp32, 4 B/value), fp16 (2 B/value), int8 "
-                            "(blockwise 8-bit, ~1 B/value), int4 (NF4 with error feedback, ~0.56 B/value), topk (3% of the values at 2 "
-                            "bits with error feedback, ~0.094 B/value)",
+                            "(blockwise 8-bit, ~1 B/value), int4 (NF4 with error feedback, ~0.56 B/value), int2 (dense 2-bit with error "
+                            "feedback, ~0.31 B/value), topk (3% of the values at 2 bits with error feedback, ~0.094 B/value)",
                             choices=COMPRESSIONS)
-    reducer_feedback: bool = knob(True, "with int4 or topk, each reducer also keeps what its re-encode of a part's average "
+    reducer_feedback: bool = knob(True, "with int4, int2 or topk, each reducer also keeps what its re-encode of a part's average "
                                   "dropped and adds it to that part's average in the next round (off under --cross-check, "
                                   "whose two reducers of a share must agree)")
     matchmaking_time_s: float = knob(5.0, "seconds a ready peer waits for others to join its averaging group")

@@ -9,7 +9,7 @@ anywhere else, before a peer joins a swarm (``join_swarm``). Where the private A
   ``_load_state_from_peers`` (copied with an exclusion list), ``_matchmaking`` (group key and target size),
   ``_outer_pipe``; ``StepControl`` cancelling (mark, then wake).
 - wire.py: the codec registry ``compression.serialization._BASE_COMPRESSION_TYPES`` (our codecs, and wire_guard.py's
-  checked decoders for hivemind's other types).
+  checked decoder for hivemind's raw type).
 - guarded.py: ``TensorPartReducer`` accumulation, ``TensorPartContainer._input_parts_by_peer`` and
   ``register_processed_part``; ``Matchmaking._request_join_group``; ``rpc_join_group`` / ``rpc_aggregate_part`` /
   ``rpc_download_state`` overrides.

@@ -25,8 +25,9 @@ WIRE_TYPES = {
     # never uses otherwise; every peer decodes it with our codec (install_wire_codecs)
     "int4": runtime_pb2.CompressionType.UNIFORM_8BIT,
     "topk": runtime_pb2.CompressionType.QUANTILE_8BIT,  # likewise: sparse 2-bit parts, under an id never used otherwise
+    "int2": runtime_pb2.CompressionType.MEANSTD_16BIT,  # likewise: dense 2-bit parts, under the last id left
 }
-_QUANTIZATION_BLOCK = 256  # every part holds whole quantization blocks (64 for int4, 256 for int8)
+_QUANTIZATION_BLOCK = 256  # every part holds whole quantization blocks (64 for int4, int2 and topk, 256 for int8)
 _PARTS_PER_AVERAGING = 32  # enough parts that every peer of a group reduces about its share
 _MIN_PART_VALUES = 16 * _QUANTIZATION_BLOCK
 
@@ -89,15 +90,15 @@ class WireCodec(CompressionBase):
 
 
 def install_wire_codecs() -> None:
-    """Make hivemind decode fp16 and 8-bit parts with our codecs, in this process and its forks.
+    """Make hivemind decode fp16, int8, int4, int2 and topk parts with our codecs, in this process and its forks.
 
     Receivers decode through hivemind's global registry, keyed by the wire type in each message, so this
     must run in every peer process before its averager starts (the averager is a forked child).
     """
-    for name in ("fp16", "int8", "int4", "topk"):
+    for name in ("fp16", "int8", "int4", "int2", "topk"):
         wire_type = runtime_pb2.CompressionType.Name(WIRE_TYPES[name])
         hivemind_serialization._BASE_COMPRESSION_TYPES[wire_type] = WireCodec(make_codec(name))
-    install_checked_decoders(hivemind_serialization._BASE_COMPRESSION_TYPES)  # and hivemind's other types
+    install_checked_decoders(hivemind_serialization._BASE_COMPRESSION_TYPES)  # and hivemind's raw type
 
 
 class TrafficCounters:

@@ -101,7 +101,7 @@ def _shutdown(dhts, averagers):
         dht.shutdown()
 
 
-@pytest.mark.parametrize("compression", ["int8", "none", "topk"])
+@pytest.mark.parametrize("compression", ["int8", "none", "int2", "topk"])
 def test_every_peer_gets_the_same_bytes_and_the_weighted_average(compression):
     torch.manual_seed(0)
     inputs = [[torch.randn(shape) * (i + 1) for shape in SHAPES] for i in range(3)]
@@ -129,6 +129,12 @@ def test_every_peer_gets_the_same_bytes_and_the_weighted_average(compression):
             assert 0 < int(kept.sum()) <= 2 * -(-got.numel() // 64)
             assert float((torch.sign(got[kept]) == torch.sign(want[kept])).float().mean()) > 0.99
             assert float(got[kept].abs().mean()) > 2 * float(want.abs().mean())
+    elif compression == "int2":  # two 2-bit hops, each leaving about a third of the norm (error feedback is off here)
+        for got, want in zip(reference, expected):
+            assert (got - want).norm() / want.norm() < 0.6
+            # what came back is the reducer's 2-bit encode: two magnitudes per block of 64 (a part's blocks may
+            # straddle two tensors, so one more block per tensor)
+            assert got.abs().unique().numel() <= 2 * (-(-got.numel() // 64) + 1)
     else:  # two int8 hops (sender part, then the reducer's result): within ~3% relative L2
         for got, want in zip(reference, expected):
             assert (got - want).norm() / want.norm() < 0.03

@@ -306,10 +306,11 @@ def check_decode(message: runtime_pb2.Tensor) -> None:
         assert message.compression not in _WIRE_TYPES, e
         return
     assert tuple(result.shape) == tuple(message.size)
-    # topk: at most 64 values in 6 bytes; int4 packs two values per byte; every other layout less
-    per_byte = 64 / 6 if message.compression == runtime_pb2.QUANTILE_8BIT else 2
+    # topk: at most 64 values in 6 bytes; int2 packs four values per byte, int4 two; every other layout less
+    per_byte = {runtime_pb2.QUANTILE_8BIT: 64 / 6, runtime_pb2.MEANSTD_16BIT: 4}.get(message.compression, 2)
     assert result.numel() <= per_byte * len(message.buffer)
-    if message.compression in (runtime_pb2.BLOCKWISE_8BIT, runtime_pb2.UNIFORM_8BIT, runtime_pb2.QUANTILE_8BIT):
+    if message.compression in (runtime_pb2.BLOCKWISE_8BIT, runtime_pb2.UNIFORM_8BIT, runtime_pb2.QUANTILE_8BIT,
+                               runtime_pb2.MEANSTD_16BIT):
         assert bool(torch.isfinite(result).all())
 
 
@@ -356,7 +357,7 @@ def test_wire_decoder_on_damaged_parts(wire_codecs, data):
     check_decode(runtime_pb2.Tensor(compression=part.compression, buffer=bytes(buffer), size=size, dtype=dtype))
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "topk"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "topk"])
 @pytest.mark.parametrize("scale", _BAD_FLOATS[:3])
 def test_a_bad_block_scale_is_refused(wire_codecs, name, scale):
     part = wire_codecs[name].compress(torch.randn(300), None)

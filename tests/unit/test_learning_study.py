@@ -11,12 +11,14 @@ import pytest
 from experiments.learning import (
     ISLAND_BATCH,
     ISLAND_STEPS,
+    LOW_BIT_POINTS,
     SIZE_DILOCO,
     SIZE_POINTS,
     SIZE_SEEDS,
     SPARSE_H,
     STEPS,
     Run,
+    curves,
     load,
     lr_factor,
     main,
@@ -232,6 +234,32 @@ def test_the_model_sizes_compare_each_width_to_the_best_sync_dp_at_that_width(tm
     assert {(r.method, r.inner_lr, r.d_model, r.seed) for r in more} == {
         (method, lr, 256, s) for method, lr in (("syncdp", 4e-3), ("diloco", 1e-3)) for s in SIZE_SEEDS}
     assert all(r.seed == 0 for r in plan("sizes", done[:-1]))
+
+
+def test_the_low_bit_codecs_run_at_the_targets_bytes_then_their_best_at_more_seeds(tmp_path):
+    assert plan("low-bit", []) == []  # the inner lr is half of sync DP's best: nothing to build on yet
+    results = [_result("syncdp", 2e-3, 2.05), _result("syncdp", 4e-3, 2.0)]
+    runs = plan("low-bit", results)
+    assert len(runs) == sum(len(grid) for _, _, grid in LOW_BIT_POINTS) and all(r.seed == 0 for r in runs)
+    assert {r.inner_lr for r in runs} == {2e-3} and all(r.reducer_feedback for r in runs)  # the peer's default
+    assert {r.compression for r in runs} == {"int2", "int4"} and min(r.fewer_bytes_than_syncdp for r in runs) >= 400
+    assert {r.inner_steps: round(r.fewer_bytes_than_syncdp) for r in runs if r.compression == "int2"} == {32: 410, 80: 1024}
+    # once all are done: each codec's best at >= 400x (below 1000x) and at >= 1000x, each at seeds 1 and 2
+    losses = {32: 2.2, 80: 2.5, 60: 2.4, 150: 2.45}
+    done = results + [_result("diloco", r.inner_lr, losses[r.inner_steps], h=r.inner_steps, codec=r.compression,
+                              outer=(r.outer_lr, r.outer_momentum), reducer_feedback=True) for r in runs]
+    more = plan("low-bit", done)[len(runs) :]
+    assert {(r.inner_steps, r.compression, r.outer_lr, r.seed) for r in more} == {
+        (h, codec, outer, seed) for h, codec, outer in ((32, "int2", 0.7), (60, "int4", 0.7), (80, "int2", 0.8), (150, "int4", 0.8))
+        for seed in (1, 2)}
+    assert len(plan("low-bit", done[:-1])) == len(runs)  # the grid not done: no seeds yet
+    done.append(_result("diloco", 2e-3, 2.1, h=32, codec="int2", outer=(0.35, 0.9), reducer_feedback=True))  # a one-off
+    # int2's own curve in the picture: the best outer optimizer at each H
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in done))
+    table = report(tmp_path)
+    assert "| 32 | int2 | Nesterov lr 0.35, momentum 0.9, reducer's error feedback, inner lr 0.002 | 150 |" in table
+    [int2] = [points for name, points in curves(summarize(done)).items() if name.startswith("int2")]
+    assert [(p["inner_steps"], p["outer_lr"]) for p in int2] == [(80, 0.8), (32, 0.35)]  # by bytes per token, the best
 
 
 def test_a_run_already_in_the_results_is_not_run_again(tmp_path, monkeypatch):
