@@ -168,13 +168,10 @@ class BlockwiseNF4Codec:
         return state.absmax.to(torch.float32).numpy().tobytes() + packed.numpy().tobytes()
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
-        num_blocks, num_packed = -(-numel // self.block_size), -(-numel // 2)
-        _check_length(self.name, data, 4 * num_blocks + num_packed)
         if numel == 0:
+            _check_length(self.name, data, 0)
             return torch.zeros(0)
-        buffer = bytearray(data)
-        absmax = torch.frombuffer(buffer, dtype=torch.float32, count=num_blocks)
-        packed = torch.frombuffer(buffer, dtype=torch.uint8, offset=4 * num_blocks, count=num_packed)
+        absmax, packed = _scales_and_packed(self.name, data, numel, self.block_size, values_per_byte=2)
         # bitsandbytes packs two values per byte, the first in the high nibble
         indices = torch.stack([packed >> 4, packed & 15], dim=1).view(-1)[:numel]
         return scaled_lookup(nf4_code(), indices, absmax, self.block_size)
@@ -235,13 +232,10 @@ class BlockwiseInt2Codec:
         return scale.numpy().tobytes() + packed.numpy().tobytes()
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
-        num_blocks, num_packed = -(-numel // self.block_size), -(-numel // 4)
-        _check_length(self.name, data, 4 * num_blocks + num_packed)
         if numel == 0:
+            _check_length(self.name, data, 0)
             return torch.zeros(0)
-        buffer = bytearray(data)
-        scale = torch.frombuffer(buffer, dtype=torch.float32, count=num_blocks)
-        packed = torch.frombuffer(buffer, dtype=torch.uint8, offset=4 * num_blocks, count=num_packed)
+        scale, packed = _scales_and_packed(self.name, data, numel, self.block_size, values_per_byte=4)
         indices = torch.stack([packed & 3, (packed >> 2) & 3, (packed >> 4) & 3, packed >> 6], dim=1).view(-1)[:numel]
         return scaled_lookup(int2_code(), indices, scale, self.block_size)
 
@@ -395,6 +389,17 @@ def scaled_lookup(code: torch.Tensor, indices: torch.Tensor, absmax: torch.Tenso
     values[:whole].view(-1, block_size).mul_(absmax[: whole // block_size, None])
     values[whole:].mul_(absmax[whole // block_size :][:1])
     return values
+
+
+def _scales_and_packed(name: str, data: bytes, numel: int, block_size: int, values_per_byte: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed payload's parts, its length checked first: one fp32 scale per block, then the indices,
+    ``values_per_byte`` to a byte (numel > 0)."""
+    num_blocks, num_packed = -(-numel // block_size), -(-numel // values_per_byte)
+    _check_length(name, data, 4 * num_blocks + num_packed)
+    buffer = bytearray(data)
+    scales = torch.frombuffer(buffer, dtype=torch.float32, count=num_blocks)
+    return scales, torch.frombuffer(buffer, dtype=torch.uint8, offset=4 * num_blocks, count=num_packed)
 
 
 def _check_length(name: str, data: bytes, expected: int) -> None:
