@@ -39,8 +39,9 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco.core.compression import FEEDBACK_CODECS, ErrorFeedback, make_codec
+from p2p_diloco.core.compression import make_codec
 from p2p_diloco.core.config import COMPRESSIONS, DataConfig, InnerConfig, ModelConfig, OuterConfig
+from p2p_diloco.core.feedback import FEEDBACK_CODECS, ErrorFeedback
 from p2p_diloco.core.link import codec_round_trip
 from p2p_diloco.core.outer import OuterOptimizer
 from p2p_diloco.core.schedule import lr_factor as schedule_factor

@@ -51,7 +51,7 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from p2p_diloco.core.compression import ReducerFeedback
+from p2p_diloco.core.feedback import ReducerFeedback
 from p2p_diloco.swarm.reducer import PartReducer
 from p2p_diloco.swarm.search import hold, hold_tasks
 from p2p_diloco.swarm.wire import MeteredStub, TrafficCounters, WireCodec, install_wire_codecs, metered

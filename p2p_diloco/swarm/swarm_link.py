@@ -21,8 +21,9 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.core import history
-from p2p_diloco.core.compression import FEEDBACK_CODECS, ErrorFeedback, ReducerFeedback, make_codec
+from p2p_diloco.core.compression import make_codec
 from p2p_diloco.core.config import SwarmConfig
+from p2p_diloco.core.feedback import FEEDBACK_CODECS, ErrorFeedback, ReducerFeedback
 from p2p_diloco.core.link import AveragingOutcome, RoundView, SwarmState, codec_round_trip
 from p2p_diloco.core.robust import total_norm
 from p2p_diloco.core.swarm_view import OuterNorms, ProgressPace, SwarmView, typical_tokens

@@ -13,7 +13,8 @@ import torch
 from hivemind import DHT
 from hivemind.utils.mpfuture import MPFuture
 
-from p2p_diloco.core.compression import ReducerFeedback, make_codec
+from p2p_diloco.core.compression import make_codec
+from p2p_diloco.core.feedback import ReducerFeedback
 from p2p_diloco.core.link import codec_round_trip
 from p2p_diloco.swarm.averaging import DilocoAverager, ExactAllReduceRunner
 from p2p_diloco.swarm.reducer import PartReducer

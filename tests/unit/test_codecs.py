@@ -203,7 +203,7 @@ def test_error_feedback_loses_nothing_over_rounds(name: str):
     """What a lossy codec drops is sent in later rounds: the sum of what was sent plus the residual equals the sum
     of the outer gradients, and the residual stays bounded, so the sum sent converges on the true sum. Without
     feedback the codec's loss adds up round after round."""
-    from p2p_diloco.core.compression import ErrorFeedback
+    from p2p_diloco.core.feedback import ErrorFeedback
 
     codec = make_codec(name)
     feedback, rounds = ErrorFeedback(codec), 120
@@ -223,7 +223,7 @@ def test_error_feedback_loses_nothing_over_rounds(name: str):
 
 
 def test_a_failed_round_keeps_the_previous_residual():
-    from p2p_diloco.core.compression import ErrorFeedback
+    from p2p_diloco.core.feedback import ErrorFeedback
 
     feedback = ErrorFeedback(make_codec("topk"))
     sent, residual = feedback.prepare([_gaussian(640, seed=7)])
@@ -234,7 +234,7 @@ def test_a_failed_round_keeps_the_previous_residual():
 
 
 def test_the_reducers_feedback_is_used_only_in_the_next_round_of_the_same_fragment():
-    from p2p_diloco.core.compression import ReducerFeedback
+    from p2p_diloco.core.feedback import ReducerFeedback
 
     codec = make_codec("topk")
     mean = _gaussian(640, seed=9)
