@@ -40,12 +40,13 @@ from pathlib import Path
 import torch
 
 from p2p_diloco.core.compression import make_codec
-from p2p_diloco.core.config import COMPRESSIONS, DataConfig, InnerConfig, ModelConfig, OuterConfig
+from p2p_diloco.core.config import COMPRESSIONS, INNER_OPTIMIZERS, DataConfig, InnerConfig, ModelConfig, OuterConfig
 from p2p_diloco.core.feedback import FEEDBACK_CODECS, ErrorFeedback
 from p2p_diloco.core.link import codec_round_trip
 from p2p_diloco.core.outer import OuterOptimizer
 from p2p_diloco.core.schedule import lr_factor as schedule_factor
 from p2p_diloco.train.data import Dataset
+from p2p_diloco.train.inner_optimizer import build_inner_optimizer
 from p2p_diloco.train.model import build_model
 
 PEERS = 4  # islands, and sync DP's data-parallel workers
@@ -89,6 +90,14 @@ SIZE_SEEDS = (1,)  # once a width's grid is done: its best sync DP lr and DiLoCo
 LOW_BIT_POINTS = ((32, "int2", ((0.7, 0.9),)), (80, "int2", ((0.8, 0.6),)), (60, "int4", ((0.7, 0.9),)),
                   (150, "int4", ((0.8, 0.6),)))
 LOW_BIT_TARGETS = (400, 1000)  # once the grid is done: each codec's best at each target's bytes (to the next) at SEEDS[1:]
+# Muon as the inner optimizer (MuLoCo, Therien et al. 2025: with error feedback it kept 2-bit outer gradients close to
+# uncompressed): the block matrices step with torch's Muon (its update scaled to AdamW's RMS, so AdamW's lr and weight
+# decay carry over), the embeddings, biases and norms with AdamW. Sync DP with the same optimizer over its own lr grid,
+# so that the gap is also taken to the better of the two baselines; DiLoCo at the low-bit phase's best settings at the
+# targets' bytes, its inner lr at 1/2 of AdamW sync DP's best (the study's rule; the lrs are on the same scale)
+MUON_DP_LRS = (2e-3, 4e-3, 8e-3)
+# (H, codec, outer optimizers): 410x, 427x, 1024x; 0.8 / 0.6, best at H = 80 with Muon, tried at the >= 400x points too
+MUON_POINTS = ((32, "int2", ((0.7, 0.9), (0.8, 0.6))), (60, "int4", ((0.7, 0.9), (0.8, 0.6))), (80, "int2", ((0.8, 0.6),)))
 
 
 @dataclass(frozen=True)
@@ -110,8 +119,11 @@ class Run:
     reducer_feedback: bool = False  # the reducer's re-encode keeps its error for the next round (a stable group)
     data: str = "shards"  # "shards": each island a contiguous quarter of the corpus (as peers); "iid": all of it
     d_model: int = D_MODEL  # the built-in model's width (its layers, heads and context stay the default's)
+    optimizer: str = "adamw"  # the inner optimizer (sync DP's only one): "adamw", or "muon" for the block matrices
 
     def __post_init__(self) -> None:
+        if self.optimizer not in INNER_OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(INNER_OPTIMIZERS)}, got {self.optimizer!r}")
         if self.data not in ("shards", "iid"):
             raise ValueError(f"data must be shards or iid, got {self.data!r}")
         if self.schedule not in SCHEDULES:
@@ -129,6 +141,7 @@ class Run:
             f" peers={self.peers} batch={self.batch_size} steps={self.steps}")
         size += " data=iid" if self.data == "iid" else ""
         size += f" d={self.d_model}" if self.d_model != D_MODEL else ""
+        size += f" {self.optimizer}" if self.optimizer != "adamw" else ""
         if self.method == "syncdp":
             return f"syncdp lr={self.inner_lr:g} seed={self.seed}{size}"
         schedule = "" if self.schedule == "fixed" else f" {self.schedule}"
@@ -184,20 +197,23 @@ def _evaluate(model: torch.nn.Module, batches: list) -> float:
         return sum(model(x, y).item() for x, y in batches) / len(batches)
 
 
-def _adamw(model: torch.nn.Module, run: Run) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    inner = InnerConfig()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=run.inner_lr, weight_decay=inner.weight_decay)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, run.steps))
+def _inner_optimizer(model: torch.nn.Module, run: Run) -> tuple[list[torch.optim.Optimizer], list]:
+    """The inner optimizer, as a peer builds it (train/inner_optimizer.py: AdamW, or Muon on the blocks' matrices and
+    AdamW on the rest), and its lr schedule; as lists, one of each."""
+    optimizer = build_inner_optimizer(run.optimizer, model, run.inner_lr, InnerConfig().weight_decay)
+    return [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, run.steps))]
 
 
-def _step(model: torch.nn.Module, optimizer, schedule, inputs, targets) -> None:
+def _step(model: torch.nn.Module, optimizers, schedules, inputs, targets) -> None:
     model.train()
     loss = model(inputs, targets)
-    optimizer.zero_grad(set_to_none=True)
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(list(model.parameters()), InnerConfig().grad_clip_norm)
-    optimizer.step()
-    schedule.step()
+    for optimizer, schedule in zip(optimizers, schedules):
+        optimizer.step()
+        schedule.step()
 
 
 def _curve_every(run: Run) -> int:
@@ -215,15 +231,15 @@ def train(run: Run) -> dict:
     curve = [(0, _evaluate(global_model, held_out[:4]))]
     cosines: list[float] = []
     if run.method == "syncdp":
-        optimizer, schedule = _adamw(global_model, run)
+        optimizers, schedules = _inner_optimizer(global_model, run)
         for step in range(run.steps):
             batches = [shard.train.next_batch() for shard in shards]
-            _step(global_model, optimizer, schedule, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+            _step(global_model, optimizers, schedules, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
             if (step + 1) % _curve_every(run) == 0:
                 curve.append(((step + 1) * tokens_per_step, _evaluate(global_model, held_out[:4])))
     else:
         islands = [build_model(config, run.seed) for _ in range(run.peers)]
-        optimizers = [_adamw(island, run) for island in islands]
+        optimizers = [_inner_optimizer(island, run) for island in islands]
         global_params = [p.data for p in global_model.parameters()]
         outer = OuterOptimizer(global_params, OuterConfig(lr=run.outer_lr, momentum=run.outer_momentum))
         codec = make_codec(run.compression)
@@ -233,9 +249,9 @@ def train(run: Run) -> dict:
         ends, previous = run.round_ends(), None
         for round_index, (begin, end) in enumerate(zip([0, *ends], ends)):
             sent = []
-            for i, (island, (optimizer, schedule), shard) in enumerate(zip(islands, optimizers, shards)):
+            for i, (island, (inner, schedules), shard) in enumerate(zip(islands, optimizers, shards)):
                 for _ in range(end - begin):
-                    _step(island, optimizer, schedule, *shard.train.next_batch())
+                    _step(island, inner, schedules, *shard.train.next_batch())
                 outer_grad = [g - p.detach() for g, p in zip(global_params, island.parameters())]
                 if feedback:
                     values, residual = feedback[i].prepare(outer_grad)
@@ -284,13 +300,15 @@ def load(out: Path) -> list[dict]:
         result.setdefault("reducer_feedback", False)
         result.setdefault("data", "shards")
         result.setdefault("d_model", D_MODEL)
+        result.setdefault("optimizer", "adamw")
     return results
 
 
 def _standard(result: dict) -> bool:
-    """A run of the study's own size on the peers' shards (the one-island checks and the iid runs are not)."""
-    return ((result["peers"], result["batch_size"], result["steps"], result["data"], result.get("d_model", D_MODEL))
-            == (PEERS, BATCH, STEPS, "shards", D_MODEL))
+    """A run of the study's own size on the peers' shards with AdamW (the one-island checks, the iid runs, other
+    widths and the Muon runs are not)."""
+    return ((result["peers"], result["batch_size"], result["steps"], result["data"], result.get("d_model", D_MODEL),
+             result.get("optimizer", "adamw")) == (PEERS, BATCH, STEPS, "shards", D_MODEL, "adamw"))
 
 
 def _best(results: list[dict], **match) -> dict | None:
@@ -359,6 +377,8 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
                     best = min(bracket, key=lambda run: done[run.key]["final_loss"])
                     runs += [replace(best, seed=s) for s in SEEDS[1:]]
         return runs
+    if phase == "muon":
+        return _muon_plan(lr, results)
     if phase == "outer-grid":
         return [Run("diloco", lr, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m)
                 for h, c in DILOCO_POINTS for o, m in OUTER_GRID]
@@ -435,15 +455,62 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
             _like(targets[0], outer_lr=1.0, outer_momentum=0.0, **one)]
 
 
+def _muon_runs(results: list[dict], method: str) -> list[dict]:
+    return [r for r in results if r["method"] == method and r.get("optimizer") == "muon" and _standard(dict(r, optimizer="adamw"))]
+
+
+def _muon_dp(results: list[dict]) -> float | None:
+    """Muon sync DP's best lr at seed 0, once its grid brackets it (or reached INNER_LR_LIMIT from the first grid)."""
+    grid = {r["inner_lr"]: r["final_loss"] for r in _muon_runs(results, "syncdp") if r["seed"] == 0}
+    if not set(MUON_DP_LRS) <= set(grid):
+        return None
+    best, tried = min(grid, key=grid.get), sorted(grid)
+    low, high = MUON_DP_LRS[0] / INNER_LR_LIMIT, MUON_DP_LRS[-1] * INNER_LR_LIMIT
+    if (best == tried[0] and best / 2 >= low) or (best == tried[-1] and best * 2 <= high):
+        return None  # at the grid's edge: look past it first
+    return best
+
+
+def _muon_plan(lr: float, results: list[dict]) -> list[Run]:
+    """Phase muon: DiLoCo with Muon islands at MUON_POINTS, inner lr 1/2 of AdamW sync DP's ``lr``, and Muon sync DP
+    over its lr grid, grown past the edge where its best is; once that brackets its best, Muon sync DP's best at
+    SEEDS[1:] and the points again at 1/2 of Muon sync DP's best (the study's rule for the inner lr); then the best
+    DiLoCo run at each target's bytes at SEEDS[1:]."""
+    def points(inner_lr: float) -> list[Run]:
+        return [Run("diloco", inner_lr, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m, reducer_feedback=True,
+                    optimizer="muon") for h, c, grid in MUON_POINTS for o, m in grid]
+
+    diloco = points(lr / 2)
+    grid = {r["inner_lr"]: r["final_loss"] for r in _muon_runs(results, "syncdp") if r["seed"] == 0}
+    runs = diloco + [Run("syncdp", x, optimizer="muon") for x in sorted({*MUON_DP_LRS, *grid})]
+    best_dp = _muon_dp(results)
+    if set(MUON_DP_LRS) <= set(grid) and best_dp is None:
+        best, tried = min(grid, key=grid.get), sorted(grid)
+        runs.append(Run("syncdp", best / 2 if best == tried[0] else best * 2, optimizer="muon"))
+    if best_dp is not None:
+        runs += [Run("syncdp", best_dp, seed=s, optimizer="muon") for s in SEEDS[1:]]
+        if best_dp != lr:
+            diloco = points(best_dp / 2) + diloco  # Muon sync DP's own rule first: the seeds wait for both
+            runs = diloco[: len(diloco) // 2] + runs
+    done = {r["key"]: r for r in results}
+    if best_dp is not None and all(run.key in done for run in diloco):
+        for low, high in zip(LOW_BIT_TARGETS, (*LOW_BIT_TARGETS[1:], float("inf"))):
+            bracket = [run for run in diloco if low <= run.fewer_bytes_than_syncdp < high]
+            if bracket:
+                best = min(bracket, key=lambda run: done[run.key]["final_loss"])
+                runs += [replace(best, seed=s) for s in SEEDS[1:]]
+    return list(dict.fromkeys(runs))
+
+
 PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune", "codecs", "seeds", "iid", "checks", "schedule",
-          "islands-syncdp", "islands", "sizes", "low-bit")
+          "islands-syncdp", "islands", "sizes", "low-bit", "muon")
 
 
 # what each phase builds on: its runs are planned only once these phases have none left to run
 NEEDS = {"tune-syncdp": (), "outer-grid": ("tune-syncdp",), "inner-lr": ("tune-syncdp", "outer-grid")}
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("codecs", "outer-retune")})
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune") for phase in PHASES[5:9]})  # seeds ...
-NEEDS.update({"islands-syncdp": (), "islands": (), "sizes": (), "low-bit": ("tune-syncdp",)})  # islands plans nothing until sync DP's grid brackets its best
+NEEDS.update({"islands-syncdp": (), "islands": (), "sizes": (), "low-bit": ("tune-syncdp",), "muon": ("tune-syncdp",)})  # islands plans nothing until sync DP's grid brackets its best
 
 
 def _remaining(phase: str, results: list[dict]) -> list[Run]:
@@ -492,7 +559,7 @@ def summarize(results: list[dict]) -> dict:
     the one-island checks beside."""
     best_dp = _best(results, method="syncdp")
     if best_dp is None:
-        return dict(syncdp=None, points=[], checks=[], iid=[], islands=[], sizes=[])
+        return dict(syncdp=None, points=[], checks=[], iid=[], islands=[], sizes=[], muon=dict(grid={}, points=[]))
     standard = [r for r in results if _standard(r)]
     dp = {r["seed"]: r["final_loss"] for r in standard if r["method"] == "syncdp" and r["inner_lr"] == best_dp["inner_lr"]}
     groups: dict[tuple, list[dict]] = {}
@@ -517,7 +584,33 @@ def summarize(results: list[dict]) -> dict:
     return dict(syncdp=dict(inner_lr=best_dp["inner_lr"], seeds=len(dp), loss_mean=sum(dp.values()) / len(dp),
                             bytes_per_token=best_dp["wire_bytes_per_token"],
                             grid={r["inner_lr"]: r["final_loss"] for r in standard if r["method"] == "syncdp" and r["seed"] == 0}),
-                points=points, checks=checks, iid=iid, islands=_islands(results), sizes=_sizes(results))
+                points=points, checks=checks, iid=iid, islands=_islands(results), sizes=_sizes(results),
+                muon=_muon(results, dp))
+
+
+def _muon(results: list[dict], adamw_dp: dict[int, float]) -> dict:
+    """Phase muon: Muon sync DP's grid (seed 0) and its best lr's loss per seed; per Muon DiLoCo setting, its gap over
+    the seeds to AdamW sync DP (tuned: ``adamw_dp``, loss per seed) and to the better of the two sync DPs at each seed
+    (Muon sync DP where it ran at that seed): ``gap_*``, what the picture plots."""
+    grid = {r["inner_lr"]: r["final_loss"] for r in _muon_runs(results, "syncdp") if r["seed"] == 0}
+    best_lr = _muon_dp(results) or (min(grid, key=grid.get) if grid else None)
+    muon_dp = {r["seed"]: r["final_loss"] for r in _muon_runs(results, "syncdp") if r["inner_lr"] == best_lr}
+    groups: dict[tuple, list[dict]] = {}
+    for r in _muon_runs(results, "diloco"):
+        if r["seed"] in adamw_dp:
+            groups.setdefault(tuple(r[k] for k in _POINT), []).append(r)
+    points = []
+    for key, runs in sorted(groups.items()):
+        to_adamw = [r["final_loss"] / adamw_dp[r["seed"]] - 1 for r in runs]
+        gaps = [r["final_loss"] / min(adamw_dp[r["seed"]], muon_dp.get(r["seed"], float("inf"))) - 1 for r in runs]
+        points.append(dict(
+            zip(_POINT, key), seeds=len(gaps), gap_mean=sum(gaps) / len(gaps), gap_min=min(gaps), gap_max=max(gaps),
+            gap_adamw_mean=sum(to_adamw) / len(to_adamw), gap_adamw_min=min(to_adamw), gap_adamw_max=max(to_adamw),
+            loss_mean=sum(r["final_loss"] for r in runs) / len(runs), outer_steps=runs[0]["outer_steps"],
+            wire_bytes_per_token=runs[0]["wire_bytes_per_token"], fewer_bytes_than_syncdp=runs[0]["fewer_bytes_than_syncdp"],
+            muon_dp_seeds=sum(r["seed"] in muon_dp for r in runs),
+        ))
+    return dict(grid=grid, best_lr=best_lr, syncdp=muon_dp, points=points)
 
 
 def _islands(results: list[dict]) -> list[dict]:
@@ -539,7 +632,8 @@ def _sizes(results: list[dict]) -> list[dict]:
     the best DiLoCo run at SIZE_DILOCO (over the inner lrs tried), with the gap between them."""
     h, c, o, m = SIZE_DILOCO
     def at(r: dict) -> bool:
-        return (r["peers"], r["batch_size"], r["steps"], r["data"]) == (PEERS, BATCH, STEPS, "shards") and r["schedule"] == "fixed"
+        return ((r["peers"], r["batch_size"], r["steps"], r["data"], r["optimizer"]) == (PEERS, BATCH, STEPS, "shards", "adamw")
+                and r["schedule"] == "fixed")
 
     best: dict[tuple, dict] = {}
     for r in results:
@@ -626,10 +720,29 @@ def report(out: Path) -> str:
         for r in summary["sizes"]:
             lines.append(f"| {r['d_model']} | {r['params'] / 1e6:.2f}M | {r['seed']} | {r['syncdp_loss']:.4f} ({r['syncdp_lr']:g}) "
                          f"| {r['loss']:.4f} ({r['inner_lr']:g}) | **{100 * r['gap']:+.1f}%** |")
+    muon = summary["muon"]
+    if muon["grid"]:
+        lines += ["", "Muon islands (the block matrices with Muon, the rest with AdamW; phase muon). Muon sync DP, lr grid at "
+                  "seed 0: " + ", ".join(f"{lr:g} → {loss:.4f}" for lr, loss in sorted(muon["grid"].items()))
+                  + (f"; its best ({muon['best_lr']:g}) over {len(muon['syncdp'])} seed(s): "
+                     + ", ".join(f"{loss:.4f}" for _, loss in sorted(muon["syncdp"].items())) if muon["syncdp"] else ""), ""]
+        if muon["points"]:
+            lines += ["| H | codec | method | outer steps | fewer bytes than fp32 sync DP | seeds | loss | gap to AdamW sync DP "
+                      "| gap to the better sync DP per seed |", "|---|---|---|---|---|---|---|---|---|"]
+            for p in muon["points"]:
+                lines.append(f"| {p['inner_steps']} | {p['compression']} | Muon islands, {method_name(p, dp['inner_lr'])} "
+                             f"| {p['outer_steps']} | {p['fewer_bytes_than_syncdp']:,.0f}× | {p['seeds']} | {p['loss_mean']:.4f} "
+                             f"| {_gap(p, 'gap_adamw')} | **{_gap(p, 'gap')}** |")
     table = "\n".join(lines) + "\n"
     (out / "study.md").write_text(table)
     _plot(summary, out / "study.png")
     return table
+
+
+def _gap(point: dict, kind: str) -> str:
+    """A gap's mean over the seeds, with its spread where there is more than one."""
+    spread = f" ({100 * point[f'{kind}_min']:+.1f} … {100 * point[f'{kind}_max']:+.1f})" if point["seeds"] > 1 else ""
+    return f"{100 * point[f'{kind}_mean']:+.1f}%{spread}"
 
 
 def curves(summary: dict) -> dict[str, list[dict]]:
@@ -640,7 +753,8 @@ def curves(summary: dict) -> dict[str, list[dict]]:
     - *H growing*, *reducer's error feedback*: the tuned settings with that one change;
     - *topk*: sparse 2-bit outer gradients, with and without the reducer's error feedback;
     - *int2*, *int4* of the low-bit phase (a cheaper codec at a smaller H, both error feedbacks): the best outer
-      optimizer tried at each H.
+      optimizer tried at each H;
+    - *Muon islands* (phase muon): at each H the best, its gap to the better sync DP (AdamW's or Muon's) per seed.
     """
     dp_lr = summary["syncdp"]["inner_lr"]
     fixed = [p for p in summary["points"] if p["schedule"] == "fixed"]
@@ -670,6 +784,11 @@ def curves(summary: dict) -> dict[str, list[dict]]:
     for codec, by_h in low_bit_found.items():
         found[f"{codec}, both error feedbacks, more rounds (best outer per H)"] = [min(ps, key=lambda p: p["gap_mean"])
                                                                               for ps in by_h.values()]
+    if summary["muon"]["points"]:  # the best outer optimizer per H, against the better sync DP at each seed
+        by_h: dict[int, list[dict]] = {}
+        for p in summary["muon"]["points"]:
+            by_h.setdefault(p["inner_steps"], []).append(p)
+        found["Muon islands vs sync DP with Muon (int2/int4, both error feedbacks)"] = [min(ps, key=lambda p: p["gap_mean"]) for ps in by_h.values()]
     for points in found.values():
         points.sort(key=lambda p: p["wire_bytes_per_token"])
     return found
@@ -689,7 +808,7 @@ def _plot(summary: dict, path: Path) -> None:
             continue
         x = [p["wire_bytes_per_token"] for p in points]
         tuned = name.startswith("tuned (")
-        style = dict(marker="o", linewidth=2.2 if tuned else 1.2, linestyle="-" if tuned or name.startswith(("topk", "int2")) else ":")
+        style = dict(marker="o", linewidth=2.2 if tuned else 1.2, linestyle="-" if tuned or name.startswith(("topk", "int2", "Muon")) else ":")
         color = next(colors)
         axes.plot(x, [100 * p["gap_mean"] for p in points], label=name, color=color, **style)
         if any(p["seeds"] > 1 for p in points):

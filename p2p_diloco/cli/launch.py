@@ -76,6 +76,9 @@ def swarm_main(argv: list[str] | None = None, prog: str = "swarm.py") -> int:
     parser.add_argument("--peer-env", nargs="+", default=[], metavar="PEER:NAME=VALUE",
                         help="an environment variable for one peer (numbered from 0), e.g. 1:ATEN_CPU_CAPABILITY=default "
                         "to run peer1 on torch's kernels for CPUs without vector units")
+    parser.add_argument("--peer-flag", nargs="+", default=[], metavar="PEER:--FLAG=VALUE",
+                        help="a peer flag for one peer (numbered from 0), after the shared ones, e.g. "
+                        "1:--inner-optimizer=muon to run peer1 with Muon islands in a swarm of AdamW ones")
     parser.add_argument("--config", metavar="FILE", help="TOML config passed to every peer")
     add_peer_flags(parser)
     args = parser.parse_args(argv)
@@ -83,13 +86,19 @@ def swarm_main(argv: list[str] | None = None, prog: str = "swarm.py") -> int:
         return fail(prog, "--peers must be >= 1 and --late-peers in [0, peers)")
     try:
         args.peer_env = parse_peer_env(args.peer_env, args.peers)
-    except ValueError as e:
-        return fail(prog, str(e))
-    try:
-        resolve_config(args)  # validate the peers' flags once, here, before starting anything
+        args.peer_flag = parse_peer_flags(args.peer_flag, args.peers)
     except ValueError as e:
         return fail(prog, str(e))
     peer_args = peer_args_without(argv or [], SWARM_FLAGS)
+    try:
+        resolve_config(args)  # validate the peers' flags once, here, before starting anything
+        for index, flags in args.peer_flag.items():  # and each peer's own on top of them
+            own = OneLineParser(prog=f"{prog} (peer{index}'s flags)")
+            own.add_argument("--config")
+            add_peer_flags(own)
+            resolve_config(own.parse_args([*peer_args, *flags]))
+    except ValueError as e:
+        return fail(prog, str(e))
     if not any(a.startswith("--max-time-s") or a.startswith("--max-outer-steps") for a in peer_args):
         peer_args += ["--max-time-s", "180"]
     out_dir = Path(args.out)
@@ -100,7 +109,19 @@ def swarm_main(argv: list[str] | None = None, prog: str = "swarm.py") -> int:
     return run_swarm(args, peer_args, out_dir, prog)
 
 
-SWARM_FLAGS = {"--peers", "--out", "--late-peers", "--late-after-s", "--peer-env"}
+SWARM_FLAGS = {"--peers", "--out", "--late-peers", "--late-after-s", "--peer-env", "--peer-flag"}
+
+
+def parse_peer_flags(items: list[str], peers: int) -> dict[int, list[str]]:
+    """``PEER:--FLAG=VALUE`` (or ``PEER:--FLAG`` for a switch) items -> {peer index: [flags]}; ValueError naming a
+    malformed item. The flags themselves are checked as a peer would check them, by the caller."""
+    found: dict[int, list[str]] = {}
+    for item in items:
+        index, _, flag = item.partition(":")
+        if not (index.isdigit() and int(index) < peers and flag.startswith("--") and len(flag) > 2):
+            raise ValueError(f"--peer-flag {item!r}: expected PEER:--FLAG=VALUE with PEER in [0, {peers})")
+        found.setdefault(int(index), []).append(flag)
+    return found
 
 
 def parse_peer_env(items: list[str], peers: int) -> dict[int, dict[str, str]]:
@@ -166,11 +187,13 @@ def run_swarm(args: argparse.Namespace, peer_args: list[str], out_dir: Path, pro
     exited: dict[str, int] = {}  # peers that ended by themselves (not stopped by us), and how
     failures: list[str] = []
     envs = getattr(args, "peer_env", {}) or {}
+    own_flags = getattr(args, "peer_flag", {}) or {}
     try:
         def start(index: int, address: str | None, extra: list[str]) -> PeerProcess:
             place = dict(command_prefix=wan.command_prefix(index), host=wan.host(index)) if wan else {}
             shard = ["--shard-index", str(index), "--num-shards", str(args.peers)]
-            peer = start_peer(f"peer{index}", out_dir, [*peer_args, *extra, *shard], address, env=envs.get(index), **place)
+            flags = [*peer_args, *extra, *own_flags.get(index, []), *shard]
+            peer = start_peer(f"peer{index}", out_dir, flags, address, env=envs.get(index), **place)
             peers.append(peer)
             return peer
 

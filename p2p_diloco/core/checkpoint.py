@@ -25,6 +25,7 @@ _COUNTERS = ("outer_step", "outer_steps_taken", "data_position", "tokens_total")
 # data order seeds are seed * 1_000_003 + data_position (data.py): counters this small keep them within int64
 _MAX_COUNTER = 2**53
 _MAX_NESTING = 8  # an optimizer state is a dict of dicts of tensors: deeper nesting is not ours
+_MAX_NS_STEPS = 20  # Muon's Newton–Schulz steps in a checkpoint: 5 by default; more would only cost time
 
 
 def save_atomic(directory: str | Path, outer_step: int, state: dict[str, Any], keep: int = 3) -> Path:
@@ -112,37 +113,58 @@ def _contents_problem(state: dict) -> str | None:
 def _optimizer_problem(inner: Any, local: list[torch.Tensor]) -> str | None:
     """torch's Optimizer.load_state_dict checks only how many groups and params there are; what a group or a
     param's state holds is first used at the next step (a string lr, a missing exp_avg, an exp_avg of another
-    shape, capturable=True on a CPU all raise there). Checked against what the learner's AdamW writes: torch's
-    defaults but lr and weight_decay, one state per local param (state i belongs to local param i)."""
+    shape, capturable=True on a CPU all raise there). Checked against what the learner's inner optimizer writes
+    (train/inner_optimizer.py): AdamW with torch's defaults but lr and weight_decay, or MuonAdamW's one group per
+    param; one state per local param (state i belongs to local param i)."""
     if not isinstance(inner, dict) or not isinstance(inner.get("state"), dict) or not isinstance(inner.get("param_groups"), list):
         return "inner_optimizer is not an optimizer state"
-    if not all(_adamw_group_ok(group) for group in inner["param_groups"]):
-        return "inner_optimizer has a parameter group that the learner's AdamW does not write"
+    if not all(_adamw_group_ok(group) or _muon_group_ok(group) for group in inner["param_groups"]):
+        return "inner_optimizer has a parameter group that the learner's optimizer does not write"
     indices = sorted(i for group in inner["param_groups"] for i in group["params"])
     if local and indices != list(range(len(local))):
         return "inner_optimizer covers other parameters than the local model's"
+    muon = {i for group in inner["param_groups"] if group.get("use_muon") is True for i in group["params"]}
     for index, param_state in inner["state"].items():
         if not isinstance(index, int) or index not in indices or not isinstance(param_state, dict) or not _number(param_state.get("step"), 0):
             return f"inner_optimizer holds a bad state for parameter {str(index)[:20]}"
-        for name in ("exp_avg", "exp_avg_sq"):
+        for name in ("momentum_buffer",) if index in muon else ("exp_avg", "exp_avg_sq"):
             value = param_state.get(name)
             if not isinstance(value, torch.Tensor) or not value.is_floating_point() or (local and value.shape != local[index].shape):
                 return f"inner_optimizer {name} of parameter {index} does not match the local model"
+            if index in muon and value.ndim != 2:
+                return f"inner_optimizer {name} of parameter {index} is not a matrix"
     return None
 
 
 def _adamw_group_ok(group: Any) -> bool:
-    if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+    if not isinstance(group, dict) or not isinstance(group.get("params"), list) or group.get("use_muon", False) is not False:
         return False
     betas = group.get("betas")
     return (
-        all(isinstance(i, int) and not isinstance(i, bool) for i in group["params"])
+        _indices_ok(group["params"])
         and _number(group.get("lr"), 0, strict=True) and _number(group.get("eps"), 0) and _number(group.get("weight_decay"), 0)
         and isinstance(betas, list | tuple) and len(betas) == 2 and all(_number(b, 0) and b < 1 for b in betas)
         # other code paths than ours (amsgrad needs state we never write; capturable fails on a CPU)
         and all(group.get(flag, False) is False for flag in ("amsgrad", "maximize", "capturable", "differentiable"))
         and all(group.get(flag) in (None, True, False) for flag in ("foreach", "fused", "decoupled_weight_decay"))
     )
+
+
+def _muon_group_ok(group: Any) -> bool:
+    """A MuonAdamW group of a Muon param: the Newton–Schulz steps bounded (each is a few matrix products)."""
+    if not isinstance(group, dict) or not isinstance(group.get("params"), list) or group.get("use_muon") is not True:
+        return False
+    steps = group.get("ns_steps")
+    return (
+        _indices_ok(group["params"]) and _number(group.get("lr"), 0, strict=True)
+        and _number(group.get("weight_decay"), 0) and _number(group.get("momentum"), 0) and group["momentum"] < 1
+        and group.get("nesterov") in (True, False)
+        and isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= _MAX_NS_STEPS
+    )
+
+
+def _indices_ok(params: list) -> bool:
+    return all(isinstance(i, int) and not isinstance(i, bool) for i in params)
 
 
 def _number(value: Any, minimum: float, strict: bool = False) -> bool:

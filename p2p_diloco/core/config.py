@@ -17,6 +17,7 @@ COMPRESSIONS = ("none", "fp16", "int8", "int4", "int2", "topk")
 REACHABILITY = ("auto", "direct", "relay", "client")  # how a peer takes part; see swarm/reachability.py
 PROGRESS_TRANSPORTS = ("push", "dht")  # how progress records travel; see swarm/progress.py
 ISLAND_SHARDINGS = ("ddp", "fsdp")  # how the ranks of a torchrun island hold the model; see train/island.py
+INNER_OPTIMIZERS = ("adamw", "muon")  # see train/inner_optimizer.py
 PRECISIONS = ("auto", "fp32", "bf16")  # of the inner steps' forward and backward; see Island.autocast
 _YEAR_2100_UNIX = 4_102_444_800.0
 
@@ -137,6 +138,9 @@ class InnerConfig:
                             metavar="H")
     batch_size: int = knob(16, "sequences per inner step")
     lr: float = knob(1e-3, "AdamW learning rate (the peak, with a schedule)", flag="--inner-lr")
+    optimizer: str = knob("adamw", "inner optimizer: adamw, or muon (Muon on the transformer blocks' weight matrices, its "
+                          "update scaled to AdamW's, AdamW on the rest: the same --inner-lr; not with --island-sharding "
+                          "fsdp)", flag="--inner-optimizer", choices=INNER_OPTIMIZERS)
     warmup_steps: int = knob(0, "inner steps of linear lr warm-up at the start of the run (counted on the swarm's "
                              "outer step, so a late joiner does not warm up again)", flag="--inner-warmup-steps")
     lr_decay_steps: int = knob(0, "cosine decay of the inner lr to lr x lr_floor at this inner step of the run (outer "
@@ -169,6 +173,7 @@ class InnerConfig:
         _require(1 <= self.throttle <= 1000, f"inner.throttle must be in [1, 1000] (1 = full speed), got {self.throttle}")
         _require(self.fragments >= 1, f"inner.fragments must be >= 1, got {self.fragments}")
         _one_of("inner", "precision", self.precision, PRECISIONS)
+        _one_of("inner", "optimizer", self.optimizer, INNER_OPTIMIZERS)
 
 
 @dataclass(frozen=True)
@@ -352,6 +357,11 @@ class PeerConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        # Muon orthogonalizes whole matrices; an FSDP rank holds a shard of each
+        _require(not (self.inner.optimizer == "muon" and self.run.island_sharding == "fsdp"),
+                 "inner.optimizer muon needs whole matrices on every rank: use --island-sharding ddp")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

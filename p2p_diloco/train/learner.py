@@ -48,6 +48,7 @@ from p2p_diloco.train.catch_up import catch_up
 from p2p_diloco.train.checkpoints import checkpoints_for
 from p2p_diloco.train.data import DataSource
 from p2p_diloco.train.fragments import Fragments
+from p2p_diloco.train.inner_optimizer import build_inner_optimizer
 from p2p_diloco.train.island import Control, Island
 from p2p_diloco.train.model import build_model
 from p2p_diloco.train.recorder import Interval, SendRate
@@ -102,7 +103,7 @@ class Learner:
         # island's ranks, or the model itself (FSDP shards it in place: self.params are then this rank's shards)
         self.train_model = self.island.wrap(self.model)
         self.params = list(self.model.parameters())
-        self.inner = torch.optim.AdamW(self.params, lr=config.inner.lr, weight_decay=config.inner.weight_decay)
+        self.inner = build_inner_optimizer(config.inner.optimizer, self.model, config.inner.lr, config.inner.weight_decay)
         self.island.attach(self.model, self.inner, self.global_params)
         self.outer = OuterOptimizer(self.global_params, config.outer)
         self.outer_step = 0

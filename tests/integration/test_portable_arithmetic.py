@@ -1,7 +1,8 @@
 """Invariant 1 across unlike hardware (docs/design.md §5): the computations that make shared state give the same
 bytes under every CPU kernel set torch has here and any thread count; a swarm with a peer on the kernels of a CPU
 without vector units trains as one swarm (no fork, no healing download, groups of all its peers); a peer whose
-arithmetic does differ says so; and the launcher names a peer that cannot join."""
+arithmetic does differ says so; a peer with another inner optimizer is one of the swarm; and the launcher names a peer
+that cannot join."""
 
 from __future__ import annotations
 
@@ -85,6 +86,26 @@ def test_swarm_py_with_a_peer_on_default_kernels_is_one_swarm_in_groups_of_three
         # a catch-up by download), never more, and never by training apart
         steps = [r["outer_step"] for r in records if r["status"] == "ok"]
         assert len(steps) >= 5 and steps == sorted(set(steps)), (name, steps)
+
+
+@pytest.mark.timeout(200)
+def test_swarm_py_with_a_muon_island_among_adamw_ones_is_one_swarm(tmp_path):
+    """The inner optimizer stays on its island (docs/design.md §2): a peer with Muon and one with AdamW average into
+    the same bytes at every outer step, and the swarm learns."""
+    out = tmp_path / "mixed"
+    command = [sys.executable, str(SWARM), "--peers", "2", "--out", str(out), "--inner-steps", "10", "--batch-size", "8",
+               "--seq-len", "64", "--max-outer-steps", "4", "--peer-flag", "1:--inner-optimizer=muon"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert '"optimizer": "adamw"' in (out / "peer0.log").read_text()
+    assert '"optimizer": "muon"' in (out / "peer1.log").read_text()
+    report = json.loads((out / "report.json").read_text())
+    assert report["invariant_1"]["status"] == "held", report["invariant_1"]
+    for name, peer in report["peers"].items():
+        assert peer["final_outer_step"] == 4 and peer["forks_healed"] == 0, (name, peer)
+    for name, records in report["records"].items():
+        assert sum(r["status"] == "ok" and r["group_size"] == 2 for r in records) >= 3, name
+    assert report["final_eval_loss"] < report["initial_eval_loss"] - 1, (report["initial_eval_loss"], report["final_eval_loss"])
 
 
 def _cpu_has_fma() -> bool:

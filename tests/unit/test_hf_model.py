@@ -155,3 +155,15 @@ def _tokenized(files: SimpleNamespace) -> DataConfig:
 def _write(path, text):
     path.write_text(text)
     return path
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_muon_takes_a_transformers_models_matrices_but_not_its_embeddings_or_output_head(files, kind):
+    from p2p_diloco.train.inner_optimizer import muon_params
+
+    model = _model(files, kind)
+    muon = muon_params(model)
+    names = {name for name, p in model.named_parameters() if id(p) in muon}
+    assert names and all(p.ndim == 2 for p in model.parameters() if id(p) in muon)
+    assert not any(("embed" in name or "wte" in name or "wpe" in name or "lm_head" in name) for name in names), names
+    assert any(("proj" in name or "attn" in name) for name in names)

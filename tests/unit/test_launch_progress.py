@@ -1,5 +1,5 @@
 """The launcher's progress where stdout is not a terminal (a log file, CI, nohup): one line per peer per new
-metrics record and when it starts or exits, never the whole table again."""
+metrics record and when it starts or exits, never the whole table again; and a peer's own flags (--peer-flag)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import io
 import json
 from pathlib import Path
 
-from p2p_diloco.cli.launch import ProgressView
+import pytest
+
+from p2p_diloco.cli.launch import ProgressView, parse_peer_flags, peer_args_without, swarm_main
 from p2p_diloco.cli.peer_processes import PeerProcess
 
 
@@ -66,3 +68,22 @@ def test_a_terminal_redraws_the_same_lines_in_place(tmp_path):
     view.show(peers)
     assert stream.getvalue().count("\x1b[2F") == 1  # the second drawing moved up over the first two lines
     assert stream.getvalue().count("starting") == 4
+
+
+def test_a_peers_own_flags_are_parsed_per_peer_and_checked_before_anything_starts(tmp_path, capsys):
+    assert parse_peer_flags(["1:--inner-optimizer=muon", "1:--throttle=2", "0:--no-reducer-feedback"], 2) == {
+        1: ["--inner-optimizer=muon", "--throttle=2"], 0: ["--no-reducer-feedback"]}
+    for bad in ("2:--throttle=2", "x:--throttle=2", "1:throttle", "1:--"):
+        with pytest.raises(ValueError, match="PEER:--FLAG=VALUE"):
+            parse_peer_flags([bad], 2)
+    # the launcher's own flag never reaches the peers
+    assert peer_args_without(["--peer-flag", "1:--inner-optimizer=muon", "--inner-steps", "5"], {"--peer-flag"}) == [
+        "--inner-steps", "5"]
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as exited:  # argparse's one-line error for a peer's own bad flag
+        swarm_main(["--peers", "2", "--out", str(out), "--peer-flag", "1:--inner-optimizer=lion"])
+    assert exited.value.code == 2 and "invalid choice: 'lion'" in capsys.readouterr().err
+    assert swarm_main(["--peers", "2", "--out", str(out), "--inner-optimizer", "muon",
+                       "--peer-flag", "1:--island-sharding=fsdp"]) == 2
+    assert "use --island-sharding ddp" in capsys.readouterr().err
+    assert not out.exists()  # nothing started, nothing written

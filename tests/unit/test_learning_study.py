@@ -12,6 +12,8 @@ from experiments.learning import (
     ISLAND_BATCH,
     ISLAND_STEPS,
     LOW_BIT_POINTS,
+    MUON_DP_LRS,
+    MUON_POINTS,
     SIZE_DILOCO,
     SIZE_POINTS,
     SIZE_SEEDS,
@@ -64,9 +66,21 @@ def test_momentum_and_the_codec_change_the_result():
     topk = train(tiny("diloco", inner_steps=2, peers=2, compression="topk"))
     fed_back = train(tiny("diloco", inner_steps=2, peers=2, compression="topk", reducer_feedback=True))
     iid = train(tiny("diloco", inner_steps=2, peers=2, data="iid"))
-    losses = [r["final_loss"] for r in (plain, nesterov, int4, topk, fed_back, iid)]
+    muon = train(tiny("diloco", inner_steps=2, peers=2, optimizer="muon"))
+    losses = [r["final_loss"] for r in (plain, nesterov, int4, topk, fed_back, iid, muon)]
     assert len(set(losses)) == len(losses), losses
     assert fed_back["key"].startswith("diloco H=2 reducer-feedback topk") and iid["key"].endswith("data=iid")
+    assert muon["key"].endswith(" muon") and muon["optimizer"] == "muon"
+
+
+def test_muon_islands_and_muon_sync_dp_step_their_matrices_with_muon_and_learn():
+    # one island, outer lr 1 and no momentum: Muon DiLoCo is Muon sync DP of one, as AdamW's is AdamW's
+    dp = train(tiny("syncdp", optimizer="muon"))
+    diloco = train(tiny("diloco", inner_steps=3, optimizer="muon"))
+    assert diloco["final_loss"] == pytest.approx(dp["final_loss"], abs=1e-4)
+    assert dp["final_loss"] < dp["curve"][0][1] and dp["final_loss"] != train(tiny("syncdp"))["final_loss"]
+    with pytest.raises(ValueError, match="optimizer"):
+        Run("syncdp", 1e-3, optimizer="sgd")
 
 
 def test_wire_bytes_per_token_and_the_ratio_to_fp32_sync_dp():
@@ -260,6 +274,53 @@ def test_the_low_bit_codecs_run_at_the_targets_bytes_then_their_best_at_more_see
     assert "| 32 | int2 | Nesterov lr 0.35, momentum 0.9, reducer's error feedback, inner lr 0.002 | 150 |" in table
     [int2] = [points for name, points in curves(summarize(done)).items() if name.startswith("int2")]
     assert [(p["inner_steps"], p["outer_lr"]) for p in int2] == [(80, 0.8), (32, 0.35)]  # by bytes per token, the best
+
+
+def test_muon_runs_its_points_and_its_own_sync_dp_grid_then_more_seeds_and_gaps_to_both_baselines(tmp_path):
+    assert plan("muon", []) == []  # DiLoCo's inner lr is half of AdamW sync DP's best: nothing to build on yet
+    adamw = [_result("syncdp", 2e-3, 2.05), _result("syncdp", 4e-3, 2.0), _result("syncdp", 4e-3, 2.02, seed=1)]
+    runs = plan("muon", adamw)
+    diloco = [r for r in runs if r.method == "diloco"]
+    assert all(r.optimizer == "muon" and r.seed == 0 for r in runs) and runs[: len(diloco)] == diloco  # the longer first
+    assert {(r.inner_steps, r.compression, r.outer_lr, r.inner_lr, r.reducer_feedback) for r in diloco} == {
+        (h, c, o, 2e-3, True) for h, c, grid in MUON_POINTS for o, _ in grid}
+    assert sorted(r.inner_lr for r in runs if r.method == "syncdp") == sorted(MUON_DP_LRS)
+    assert min(r.fewer_bytes_than_syncdp for r in diloco) >= 400
+    results = adamw + [_result("syncdp", r.inner_lr, 1.9 if r.inner_lr == MUON_DP_LRS[-1] else 2.1, optimizer="muon")
+                       for r in runs if r.method == "syncdp"]
+    # Muon sync DP's best at the grid's edge: the grid grows past it, and no seeds until it brackets its best
+    grown = [r for r in plan("muon", results) if r.method == "syncdp"]
+    assert {r.inner_lr for r in grown} == {*MUON_DP_LRS, 2 * MUON_DP_LRS[-1]} and all(r.seed == 0 for r in grown)
+    results.append(_result("syncdp", 2 * MUON_DP_LRS[-1], 2.3, optimizer="muon"))
+    # bracketed: Muon sync DP's best at more seeds, and the points again at 1/2 of it (the study's rule), first
+    bracketed = plan("muon", results)
+    assert {(r.inner_lr, r.seed) for r in bracketed if r.seed} == {(MUON_DP_LRS[-1], 1), (MUON_DP_LRS[-1], 2)}
+    own = [r for r in bracketed if r.method == "diloco" and r.inner_lr == MUON_DP_LRS[-1] / 2]
+    assert bracketed[: len(own)] == own and len(own) == len(diloco)
+    # every point done at both inner lrs: the best at >= 400x (below 1000x) and at >= 1000x, at seeds 1 and 2
+    losses = {(32, 2e-3): 2.2, (60, 2e-3): 2.3, (80, 2e-3): 2.45, (32, 4e-3): 2.25, (60, 4e-3): 2.35, (80, 4e-3): 2.4}
+    done = [_result("diloco", r.inner_lr, losses[r.inner_steps, r.inner_lr] + (r.outer_momentum == 0.6) * 0.01,
+                    h=r.inner_steps, codec=r.compression,
+                    outer=(r.outer_lr, r.outer_momentum), reducer_feedback=True, optimizer="muon") for r in own + diloco]
+    assert all(r.seed == 0 for r in plan("muon", results + done[1:]) if r.method == "diloco")  # not all done: no seeds
+    results += done
+    assert {(r.inner_steps, r.inner_lr, r.seed) for r in plan("muon", results) if r.method == "diloco" and r.seed} == {
+        (32, 2e-3, 1), (32, 2e-3, 2), (80, 4e-3, 1), (80, 4e-3, 2)}
+    # Muon runs stay out of the AdamW study's table; their gaps are to AdamW sync DP and to the better of the two
+    results += [_result("syncdp", MUON_DP_LRS[-1], 2.1, seed=1, optimizer="muon"),
+                _result("diloco", 2e-3, 2.323, seed=1, h=32, codec="int2", outer=(0.7, 0.9), reducer_feedback=True, optimizer="muon")]
+    summary = summarize(results)
+    assert summary["syncdp"]["grid"] == {2e-3: 2.05, 4e-3: 2.0} and summary["points"] == []
+    [h32] = [p for p in summary["muon"]["points"] if (p["inner_steps"], p["inner_lr"], p["outer_momentum"]) == (32, 2e-3, 0.9)]
+    assert h32["seeds"] == 2 and h32["gap_adamw_min"] == pytest.approx(0.1) and h32["gap_adamw_max"] == pytest.approx(0.15)
+    assert h32["gap_min"] == pytest.approx(0.15) and h32["gap_max"] == pytest.approx(2.2 / 1.9 - 1)  # seed 0: Muon's 1.9
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    table = report(tmp_path)
+    assert "| 32 | int2 | Muon islands, Nesterov lr 0.7, momentum 0.9, reducer's error feedback, inner lr 0.002 | 150 |" in table
+    assert "its best (0.008) over 2 seed(s): 1.9000, 2.1000" in table
+    assert "+12.5% (+10.0 … +15.0) | **+15.4% (+15.0 … +15.8)** |" in table
+    [muon] = [points for name, points in curves(summarize(results)).items() if name.startswith("Muon")]
+    assert [(p["inner_steps"], p["inner_lr"]) for p in muon] == [(80, 4e-3), (60, 2e-3), (32, 2e-3)]  # the best per H
 
 
 def test_a_run_already_in_the_results_is_not_run_again(tmp_path, monkeypatch):
