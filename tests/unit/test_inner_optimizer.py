@@ -5,6 +5,9 @@ checked, and are refused by an AdamW run (and the other way round) with a messag
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +140,15 @@ def test_muon_with_fsdp_is_refused_at_configuration():
         PeerConfig(inner=InnerConfig(optimizer="muon"), run=RunConfig(island_sharding="fsdp"))
     with pytest.raises(ValueError, match="optimizer"):
         InnerConfig(optimizer="lion")
+
+
+def test_the_benchmark_times_both_optimizers_and_refuses_bad_input(tmp_path, capsys):
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_inner_optimizer.py"
+    spec = importlib.util.spec_from_file_location("bench_inner_optimizer", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--out", str(tmp_path), "--batch-sizes", "1", "--steps", "1", "--repeats", "1", "--d-model", "16"]) == 0
+    [row] = json.loads((tmp_path / "bench_inner_optimizer.json").read_text())["rows"]
+    assert set(row["ms_per_step"]) == {"adamw", "muon"} and all(ms > 0 for ms in row["ms_per_step"].values())
+    assert row["muon_over_adamw"] == pytest.approx(row["ms_per_step"]["muon"] / row["ms_per_step"]["adamw"])
+    assert bench.main(["--out", str(tmp_path), "--steps", "0"]) == 2 and "error" in capsys.readouterr().err
