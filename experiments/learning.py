@@ -91,13 +91,14 @@ LOW_BIT_POINTS = ((32, "int2", ((0.7, 0.9),)), (80, "int2", ((0.8, 0.6),)), (60,
                   (150, "int4", ((0.8, 0.6),)))
 LOW_BIT_TARGETS = (400, 1000)  # once the grid is done: each codec's best at each target's bytes (to the next) at SEEDS[1:]
 # Muon as the inner optimizer (MuLoCo, Therien et al. 2025: with error feedback it kept 2-bit outer gradients close to
-# uncompressed): the block matrices step with torch's Muon (its update scaled to AdamW's RMS, so AdamW's lr and weight
-# decay carry over), the embeddings, biases and norms with AdamW. Sync DP with the same optimizer over its own lr grid,
-# so that the gap is also taken to the better of the two baselines; DiLoCo at the low-bit phase's best settings at the
-# targets' bytes, its inner lr at 1/2 of AdamW sync DP's best (the study's rule; the lrs are on the same scale)
+# uncompressed): the block matrices step with Muon (train/inner_optimizer.py, torch's arithmetic; its update scaled
+# to AdamW's RMS, so AdamW's lr and weight decay carry over), the embeddings, biases and norms with AdamW. Sync DP
+# with the same optimizer over its own lr grid, so that the gap is also taken to the better of the two baselines;
+# DiLoCo at the low-bit phase's best settings at the targets' bytes, its inner lr at 1/2 of AdamW sync DP's best (the
+# study's rule; the lrs are on the same scale). A Muon DiLoCo seed counts where AdamW sync DP ran that seed too
 MUON_DP_LRS = (2e-3, 4e-3, 8e-3)
 # (H, codec, outer optimizers): 410x, 427x, 1024x; the low-bit phase's best outer optimizer at each, then 0.8 / 0.6
-# (which beat 0.7 / 0.9 with Muon islands by 3-5%) and plain averaging (less momentum still) where that won
+# (less momentum: it won at H = 80) and plain averaging (less still)
 MUON_POINTS = ((32, "int2", ((0.7, 0.9), (0.8, 0.6), (1.0, 0.0))), (60, "int4", ((0.7, 0.9), (0.8, 0.6))),
                (80, "int2", ((0.8, 0.6), (1.0, 0.0))))
 
@@ -199,23 +200,21 @@ def _evaluate(model: torch.nn.Module, batches: list) -> float:
         return sum(model(x, y).item() for x, y in batches) / len(batches)
 
 
-def _inner_optimizer(model: torch.nn.Module, run: Run) -> tuple[list[torch.optim.Optimizer], list]:
+def _inner_optimizer(model: torch.nn.Module, run: Run) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """The inner optimizer, as a peer builds it (train/inner_optimizer.py: AdamW, or Muon on the blocks' matrices and
-    AdamW on the rest), and its lr schedule; as lists, one of each."""
+    AdamW on the rest), and its lr schedule."""
     optimizer = build_inner_optimizer(run.optimizer, model, run.inner_lr, InnerConfig().weight_decay)
-    return [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, run.steps))]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, run.steps))
 
 
-def _step(model: torch.nn.Module, optimizers, schedules, inputs, targets) -> None:
+def _step(model: torch.nn.Module, optimizer, schedule, inputs, targets) -> None:
     model.train()
     loss = model(inputs, targets)
-    for optimizer in optimizers:
-        optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(list(model.parameters()), InnerConfig().grad_clip_norm)
-    for optimizer, schedule in zip(optimizers, schedules):
-        optimizer.step()
-        schedule.step()
+    optimizer.step()
+    schedule.step()
 
 
 def _curve_every(run: Run) -> int:
@@ -233,10 +232,10 @@ def train(run: Run) -> dict:
     curve = [(0, _evaluate(global_model, held_out[:4]))]
     cosines: list[float] = []
     if run.method == "syncdp":
-        optimizers, schedules = _inner_optimizer(global_model, run)
+        optimizer, schedule = _inner_optimizer(global_model, run)
         for step in range(run.steps):
             batches = [shard.train.next_batch() for shard in shards]
-            _step(global_model, optimizers, schedules, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+            _step(global_model, optimizer, schedule, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
             if (step + 1) % _curve_every(run) == 0:
                 curve.append(((step + 1) * tokens_per_step, _evaluate(global_model, held_out[:4])))
     else:
@@ -251,9 +250,9 @@ def train(run: Run) -> dict:
         ends, previous = run.round_ends(), None
         for round_index, (begin, end) in enumerate(zip([0, *ends], ends)):
             sent = []
-            for i, (island, (inner, schedules), shard) in enumerate(zip(islands, optimizers, shards)):
+            for i, (island, (optimizer, schedule), shard) in enumerate(zip(islands, optimizers, shards)):
                 for _ in range(end - begin):
-                    _step(island, inner, schedules, *shard.train.next_batch())
+                    _step(island, optimizer, schedule, *shard.train.next_batch())
                 outer_grad = [g - p.detach() for g, p in zip(global_params, island.parameters())]
                 if feedback:
                     values, residual = feedback[i].prepare(outer_grad)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from
 
 import torch  # noqa: E402
 
-from p2p_diloco.core.config import INNER_OPTIMIZERS, ModelConfig  # noqa: E402
+from p2p_diloco.core.config import INNER_OPTIMIZERS, InnerConfig, ModelConfig  # noqa: E402
 from p2p_diloco.train.inner_optimizer import build_inner_optimizer  # noqa: E402
 from p2p_diloco.train.model import build_model  # noqa: E402
 
@@ -37,7 +37,7 @@ def time_block(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
         loss = model(inputs, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), InnerConfig().grad_clip_norm)
         optimizer.step()
     return (time.perf_counter() - started) / steps
 

@@ -19,7 +19,7 @@ from p2p_diloco.core import checkpoint, extras
 from p2p_diloco.core.config import ModelConfig, PeerConfig
 
 _MAX_IDENTITY_BYTES = 1 << 16  # a libp2p RSA private key is about 1.2 KB
-_BYTES_PER_PARAM = 24  # at least: fp32 param, grad, AdamW m and v, global params and outer momentum
+_BYTES_PER_PARAM = 24  # at least: fp32 param, grad, AdamW m and v (Muon: one buffer, so less), global params and outer momentum
 
 
 def check_local_inputs(config: PeerConfig) -> None:

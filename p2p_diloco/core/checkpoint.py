@@ -123,7 +123,12 @@ def _optimizer_problem(inner: Any, local: list[torch.Tensor]) -> str | None:
     indices = sorted(i for group in inner["param_groups"] for i in group["params"])
     if local and indices != list(range(len(local))):
         return "inner_optimizer covers other parameters than the local model's"
+    marked = [isinstance(group, dict) and "use_muon" in group for group in inner["param_groups"]]
+    if any(marked) and not all(marked):  # MuonAdamW marks every group; AdamW none
+        return "inner_optimizer mixes the groups of two optimizers"
     muon = {i for group in inner["param_groups"] if group.get("use_muon") is True for i in group["params"]}
+    if local and any(local[i].ndim != 2 for i in muon):
+        return "inner_optimizer steps a parameter that is not a matrix with Muon"
     for index, param_state in inner["state"].items():
         if not isinstance(index, int) or index not in indices or not isinstance(param_state, dict) or not _number(param_state.get("step"), 0):
             return f"inner_optimizer holds a bad state for parameter {str(index)[:20]}"

@@ -132,12 +132,12 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class InnerConfig:
-    """The inner optimizer: AdamW on this peer's shard for H steps per round (docs/design.md §2)."""
+    """The inner optimizer: AdamW (or Muon) on this peer's shard for H steps per round (docs/design.md §2)."""
 
-    inner_steps: int = knob(50, "H: inner AdamW steps per peer per round at equal speeds; sets the default round budget",
+    inner_steps: int = knob(50, "H: inner steps per peer per round at equal speeds; sets the default round budget",
                             metavar="H")
     batch_size: int = knob(16, "sequences per inner step")
-    lr: float = knob(1e-3, "AdamW learning rate (the peak, with a schedule)", flag="--inner-lr")
+    lr: float = knob(1e-3, "inner learning rate (the peak, with a schedule; Muon's too)", flag="--inner-lr")
     optimizer: str = knob("adamw", "inner optimizer: adamw, or muon (Muon on the transformer blocks' weight matrices, its "
                           "update scaled to AdamW's, AdamW on the rest: the same --inner-lr; not with --island-sharding "
                           "fsdp)", flag="--inner-optimizer", choices=INNER_OPTIMIZERS)
@@ -146,7 +146,7 @@ class InnerConfig:
     lr_decay_steps: int = knob(0, "cosine decay of the inner lr to lr x lr_floor at this inner step of the run (outer "
                                "steps x H); 0: a constant lr after the warm-up", flag="--inner-lr-decay-steps")
     lr_floor: float = knob(0.1, "the fraction of the peak lr the decay ends at", flag="--inner-lr-floor")
-    weight_decay: float = knob(0.1, "AdamW decoupled weight decay")
+    weight_decay: float = knob(0.1, "decoupled weight decay of the inner optimizer")
     grad_clip_norm: float = knob(1.0, "clip the global grad norm to this; 0 disables clipping")
     tokens_per_round: int = knob(0, "tokens the whole swarm processes per round (0: H x batch tokens x live peers); a "
                                  "fast peer simply contributes more of them")

@@ -3,7 +3,7 @@
 It is indexed by the swarm's *nominal inner step*: H inner steps per round times the rounds the swarm has made,
 plus the steps this peer took in the current round. Every peer reads the same outer step from the shared state,
 so a late joiner or a peer that just caught up uses the lr the others use, not one of its own restart. The
-schedule changes only the AdamW steps on this peer's island; what is shared (global params, momentum, the outer
+schedule changes only the inner steps on this peer's island; what is shared (global params, momentum, the outer
 step) does not depend on it, so invariant 1 is untouched.
 """
 

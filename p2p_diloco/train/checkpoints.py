@@ -114,7 +114,7 @@ def _restore(learner: Learner, state: dict, path: Path) -> None:
     if len(unsynced) != len(learner.fragments):
         raise ValueError(f"checkpoint {path} was written with {len(unsynced)} fragments, this run uses {len(learner.fragments)}")
     groups = inner_state.get("param_groups") if isinstance(inner_state, dict) else None
-    written = "muon" if isinstance(groups, list) and any(isinstance(g, dict) and "use_muon" in g for g in groups) else "adamw"
+    written = "muon" if isinstance(groups, list) and groups and all(isinstance(g, dict) and "use_muon" in g for g in groups) else "adamw"
     if written != learner.config.inner.optimizer:  # the local params are fine, but the optimizer state is another's
         raise ValueError(f"checkpoint {path} was written with --inner-optimizer {written}, this run uses "
                          f"{learner.config.inner.optimizer}")

@@ -80,6 +80,13 @@ class MuonAdamW(torch.optim.Optimizer):
                         betas=(0.9, 0.999), eps=1e-8)
         super().__init__(groups, defaults)
 
+    def __setstate__(self, state: dict) -> None:
+        """As torch's Adam: a step count saved as a number becomes the tensor the arithmetic reads."""
+        super().__setstate__(state)
+        for param_state in self.state.values():
+            if "step" in param_state and not torch.is_tensor(param_state["step"]):
+                param_state["step"] = torch.tensor(float(param_state["step"]))
+
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 (torch's signature)
         loss = None
@@ -109,7 +116,7 @@ class MuonAdamW(torch.optim.Optimizer):
         update = orthogonalize(update, group["ns_steps"])
         lr = group["lr"]
         param.mul_(1 - lr * group["weight_decay"])
-        param.add_(update, alpha=-lr * 0.2 * math.sqrt(max(param.shape[0], param.shape[1])))
+        param.add_(update, alpha=-(lr * (0.2 * math.sqrt(max(param.shape[0], param.shape[1])))))  # torch's rounding
 
     def _adamw(self, param: torch.Tensor, group: dict) -> None:
         """torch's AdamW, single tensor (what it runs on a CPU)."""

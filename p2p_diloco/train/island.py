@@ -217,7 +217,7 @@ class Island:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """bf16 autocast (``precision`` bf16, or auto on a GPU) or none (fp32): the inner steps' arithmetic only; the
-        params, their AdamW state, the outer gradient and the global state stay fp32 everywhere."""
+        params, their inner optimizer state, the outer gradient and the global state stay fp32 everywhere."""
         if self.inner_precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()

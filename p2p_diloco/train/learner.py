@@ -1,7 +1,7 @@
 """One learner island: the decoupled DiLoCo loop of docs/design.md §2, as ``Learner.run`` reads.
 
     loop (one inner step at a time):                                         (DiLoCo, Algorithm 1)
-      inner_step: AdamW on this peer's shard; round_tokens += tokens          the inner steps
+      inner_step: AdamW or Muon on this peer's shard; round_tokens += tokens  the inner steps
       if the averaging started earlier has returned: complete_averaging
           ok     -> global_params <- NesterovSGD(global_params, average)      the outer step
                     local_params  <- global_params + (local_params - snapshot)   # keep the work done meanwhile

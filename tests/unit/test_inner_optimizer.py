@@ -113,6 +113,24 @@ def test_a_muon_run_resumes_bit_identically_and_an_adamw_run_refuses_its_checkpo
     with pytest.raises(ValueError, match="written with --inner-optimizer muon, this run uses adamw"):
         adamw.resume()
     assert_all_close(adamw.params, before, rtol=0, atol=0)
+    # and the other way round
+    run_learner(config(tmp_path / "adamw", 1, optimizer="adamw"))
+    muon = Learner(config(tmp_path / "adamw", 2, resume=True), make_dataset(first.config), NullSink())
+    with pytest.raises(ValueError, match="written with --inner-optimizer adamw, this run uses muon"):
+        muon.resume()
+
+
+def test_a_step_count_saved_as_a_number_is_read_as_torchs_adam_reads_it(make_config):
+    learner = run_learner(_muon_config(make_config, max_outer_steps=1))
+    state = learner.inner.state_dict()
+    for param_state in state["state"].values():
+        param_state["step"] = int(param_state["step"].item())
+    assert checkpoint._optimizer_problem(state, list(learner.model.state_dict().values())) is None
+    fresh = build_inner_optimizer("muon", learner.model, 1e-3, 0.1)
+    fresh.load_state_dict(state)
+    assert all(torch.is_tensor(s["step"]) for s in fresh.state.values())
+    learner.model(*make_dataset(learner.config).train.next_batch()).backward()
+    fresh.step()  # reads the steps as tensors
 
 
 def test_the_checkpoint_check_refuses_a_muon_state_the_learner_does_not_write(make_config):
@@ -122,6 +140,7 @@ def test_the_checkpoint_check_refuses_a_muon_state_the_learner_does_not_write(ma
     state = learner.inner.state_dict()
     assert checkpoint._optimizer_problem(state, local) is None
     muon = next(i for i, group in enumerate(state["param_groups"]) if group["use_muon"])
+    vector = next(i for i, p in enumerate(local) if p.ndim == 1)
     for damage, expected in (
         (lambda s: s["param_groups"][muon].update(ns_steps=10**6), "parameter group"),
         (lambda s: s["param_groups"][muon].update(momentum=1.0), "parameter group"),
@@ -129,6 +148,8 @@ def test_the_checkpoint_check_refuses_a_muon_state_the_learner_does_not_write(ma
         (lambda s: s["state"][muon].update(momentum_buffer=torch.zeros(3)), "momentum_buffer"),
         (lambda s: s["state"][muon].pop("momentum_buffer"), "momentum_buffer"),
         (lambda s: s["param_groups"][muon].update(use_muon=False), "exp_avg"),  # an AdamW param with Muon's state
+        (lambda s: (s["param_groups"][vector].update(use_muon=True), s["state"].pop(vector)), "not a matrix"),
+        (lambda s: s["param_groups"][vector].pop("use_muon"), "mixes the groups"),
     ):
         bad = copy.deepcopy(state)
         damage(bad)
