@@ -389,25 +389,41 @@ def test_throttle_below_one_is_rejected():
         InnerConfig(throttle=0.5)
 
 
-def test_throttle_multiplies_the_compute_time_of_a_step(make_config):
+def test_throttle_multiplies_the_compute_time_of_a_step(make_config, monkeypatch):
     learners = {
         throttle: _learner(
             _config(make_config, inner=InnerConfig(inner_steps=1000, batch_size=BATCH, throttle=throttle))
         )
         for throttle in (1.0, 3.0)
     }
+    slept: list[tuple[float, float]] = []  # (asked for, taken), each throttled step's sleep
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        started = time.monotonic()
+        real_sleep(seconds)
+        slept.append((seconds, time.monotonic() - started))
+
+    monkeypatch.setattr("p2p_diloco.train.learner.time.sleep", sleep)
     link = FakeLink()
     for learner in learners.values():  # warm-up: first calls allocate
         learner.inner_step(link)
     step_s: dict[float, list[float]] = {throttle: [] for throttle in learners}
-    for _ in range(10):  # interleaved, so that load on the machine hits both alike
+    for _ in range(10):
         for throttle, learner in learners.items():
-            before = learner.compute_s
+            before, sleeps = learner.compute_s, len(slept)
             learner.inner_step(link)
             step_s[throttle].append(learner.compute_s - before)
-    # the fastest step of each: other load on the machine can only add time, so the minimum is the steadiest
-    ratio = min(step_s[3.0]) / min(step_s[1.0])
-    assert ratio > 2, f"throttle 3 took {ratio:.2f}x the time per step of throttle 1: {step_s}"
+            assert len(slept) == sleeps + (throttle > 1)  # only the throttled peer sleeps, once a step
+    # each throttled step sleeps twice its own compute (measured within the step, so load on the machine that slows
+    # one step's compute lengthens its sleep alike), and counts the sleep as compute: 3x its work in all
+    # (a step's work is measured up to its sleep; anything after the sleep, a preemption say, only adds to it)
+    work = [total - taken for (_, taken), total in zip(slept[1:], step_s[3.0], strict=True)]
+    asked = [seconds for seconds, _ in slept[1:]]
+    assert all(a <= 2 * w * 1.001 for a, w in zip(asked, work)), (asked, work)
+    assert sum(asked) >= 1.6 * sum(work), (asked, work)
+    assert sum(step_s[3.0]) >= 2.5 * sum(work)  # the sleep counts as the step's compute
+    assert not any(s > 0.5 for s in step_s[1.0])  # no sleep in the unthrottled peer's steps
 
 
 # (e) at the planned end, a peer stays a while as a donor for peers still behind ---------------------------------
