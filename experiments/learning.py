@@ -99,8 +99,16 @@ LOW_BIT_TARGETS = (400, 1000)  # once the grid is done: each codec's best at eac
 MUON_DP_LRS = (2e-3, 4e-3, 8e-3)
 # (H, codec, outer optimizers): 410x, 427x, 1024x; the low-bit phase's best outer optimizer at each, then 0.8 / 0.6
 # (less momentum: it won at H = 80) and plain averaging (less still)
+# and the curve's cheaper end, int8 at H = 10 and 40 (39x, 158x): the outer optimizer the AdamW study found there, and
+# 0.8 / 0.6
 MUON_POINTS = ((32, "int2", ((0.7, 0.9), (0.8, 0.6), (1.0, 0.0))), (60, "int4", ((0.7, 0.9), (0.8, 0.6))),
-               (80, "int2", ((0.8, 0.6), (1.0, 0.0))))
+               (80, "int2", ((0.8, 0.6), (1.0, 0.0))), (10, "int8", ((0.35, 0.9), (0.8, 0.6))),
+               (40, "int8", ((0.7, 0.9), (0.8, 0.6))))
+# Muon islands' inner lr apart from the 1/2 rule: (H, codec, outer lr, momentum, multiples of AdamW sync DP's best)
+MUON_INNER_LRS = ((32, "int2", 0.8, 0.6, (0.25, 1.0)),)
+# iid data (the study's open question): DiLoCo on iid data averages more alike outer gradients, so its outer step is
+# longer at the same inner lr; the iid runs again at these multiples of the target's inner lr, and the same on shards
+IID_INNER_LR_FACTORS = (0.5, 0.25)
 
 
 @dataclass(frozen=True)
@@ -231,6 +239,7 @@ def train(run: Run) -> dict:
     params = sum(p.numel() for p in global_model.parameters())
     curve = [(0, _evaluate(global_model, held_out[:4]))]
     cosines: list[float] = []
+    agreements: list[float] = []
     if run.method == "syncdp":
         optimizer, schedule = _inner_optimizer(global_model, run)
         for step in range(run.steps):
@@ -261,6 +270,10 @@ def train(run: Run) -> dict:
                 else:
                     sent.append(codec_round_trip(codec, outer_grad))
             average = [torch.stack(parts).mean(0) for parts in zip(*sent)]
+            # how alike the islands' outer gradients are: |mean|^2 / mean |g_i|^2, 1 when all send the same, 1/n when
+            # they are orthogonal (the averaged step's length against one island's)
+            agreements.append(sum(float(a.pow(2).sum()) for a in average)
+                              / (sum(float(v.pow(2).sum()) for values in sent for v in values) / len(sent)))
             if reducer is not None:  # the reducer's re-encode, its error sent in the next round
                 average, residual = reducer.prepare(average)
                 reducer.commit(residual)
@@ -283,6 +296,9 @@ def train(run: Run) -> dict:
         quarter = max(1, len(cosines) // 4)
         diagnostics = dict(outer_grad_cosine_first_quarter=round(sum(cosines[:quarter]) / quarter, 4),
                            outer_grad_cosine_last_quarter=round(sum(cosines[-quarter:]) / quarter, 4))
+        quarter = max(1, len(agreements) // 4)
+        diagnostics.update(island_agreement_first_quarter=round(sum(agreements[:quarter]) / quarter, 4),
+                           island_agreement_last_quarter=round(sum(agreements[-quarter:]) / quarter, 4))
     return dict(
         asdict(run), **diagnostics, key=run.key, final_loss=round(final, 5), tokens=run.steps * tokens_per_step,
         outer_steps=run.steps // run.inner_steps if run.method == "diloco" else 0,
@@ -419,8 +435,14 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
         return [Run("syncdp", lr, seed=s) for s in SEEDS[1:]] + [_like(b, seed=s) for b in targets for s in SEEDS[1:]]
     if phase == "schedule":
         return [_like(b, schedule="grow") for b in bests]
-    if phase == "iid":  # how much of the gap is the shards' difference: the same runs, every island on all the data
-        return [Run("syncdp", lr, data="iid")] + [_like(b, data="iid") for b in targets]
+    if phase == "iid":  # how much of the gap is the shards' difference: the same runs, every island on all the data;
+        # then the first at smaller inner lrs (IID_INNER_LR_FACTORS), and on the shards at the first of them (the
+        # islands' agreement measured on both at one setting)
+        runs = [Run("syncdp", lr, data="iid")] + [_like(b, data="iid") for b in targets]
+        for b in targets[:1]:
+            runs += [_like(b, data="iid", inner_lr=b["inner_lr"] * f) for f in IID_INNER_LR_FACTORS]
+            runs.insert(2, _like(b, inner_lr=b["inner_lr"] * IID_INNER_LR_FACTORS[0]))
+        return list(dict.fromkeys(runs))
     if phase == "islands-syncdp":  # sync DP's lr at the larger islands' global batch, the grid growing past its edge
         tried, best = _island_syncdp_grid(results)
         runs = [Run("syncdp", lr, batch_size=ISLAND_BATCH, steps=ISLAND_STEPS[0]) for lr in ISLAND_DP_LRS]
@@ -473,15 +495,16 @@ def _muon_dp(results: list[dict]) -> float | None:
 
 
 def _muon_plan(lr: float, results: list[dict]) -> list[Run]:
-    """Phase muon: DiLoCo with Muon islands at MUON_POINTS, inner lr 1/2 of AdamW sync DP's ``lr``, and Muon sync DP
-    over its lr grid, grown past the edge where its best is; once that brackets its best, Muon sync DP's best at
+    """Phase muon: DiLoCo with Muon islands at MUON_INNER_LRS and MUON_POINTS, inner lr 1/2 of AdamW sync DP's
+    ``lr`` at the latter, and Muon sync DP over its lr grid, grown past the edge where its best is; once that brackets its best, Muon sync DP's best at
     SEEDS[1:] and the points again at 1/2 of Muon sync DP's best (the study's rule for the inner lr); then each
     codec's best DiLoCo run at each target's bytes at SEEDS[1:]."""
     def points(inner_lr: float) -> list[Run]:
         return [Run("diloco", inner_lr, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m, reducer_feedback=True,
                     optimizer="muon") for h, c, grid in MUON_POINTS for o, m in grid]
 
-    diloco = points(lr / 2)
+    diloco = [Run("diloco", lr * f, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m, reducer_feedback=True,
+                  optimizer="muon") for h, c, o, m, factors in MUON_INNER_LRS for f in factors] + points(lr / 2)
     grid = {r["inner_lr"]: r["final_loss"] for r in _muon_runs(results, "syncdp") if r["seed"] == 0}
     runs = diloco + [Run("syncdp", x, optimizer="muon") for x in sorted({*MUON_DP_LRS, *grid})]
     best_dp = _muon_dp(results)
@@ -491,8 +514,8 @@ def _muon_plan(lr: float, results: list[dict]) -> list[Run]:
     if best_dp is not None:
         runs += [Run("syncdp", best_dp, seed=s, optimizer="muon") for s in SEEDS[1:]]
         if best_dp != lr:
-            diloco = points(best_dp / 2) + diloco  # Muon sync DP's own rule first: the seeds wait for both
-            runs = diloco[: len(diloco) // 2] + runs
+            own = points(best_dp / 2)  # Muon sync DP's own rule first: the seeds wait for both
+            diloco, runs = own + diloco, own + runs
     done = {r["key"]: r for r in results}
     if best_dp is not None and all(run.key in done for run in diloco):
         for low, high in zip(LOW_BIT_TARGETS, (*LOW_BIT_TARGETS[1:], float("inf"))):

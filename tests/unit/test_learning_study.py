@@ -13,10 +13,12 @@ from experiments.learning import (
     ISLAND_STEPS,
     LOW_BIT_POINTS,
     MUON_DP_LRS,
+    MUON_INNER_LRS,
     MUON_POINTS,
     SIZE_DILOCO,
     SIZE_POINTS,
     SIZE_SEEDS,
+    IID_INNER_LR_FACTORS,
     SPARSE_H,
     STEPS,
     Run,
@@ -56,6 +58,7 @@ def test_one_island_with_a_plain_outer_step_is_sync_dp_of_one():
     diloco = train(tiny("diloco", inner_steps=3))
     assert diloco["final_loss"] == pytest.approx(dp["final_loss"], abs=1e-4)
     assert diloco["outer_steps"] == 2 and dp["tokens"] == diloco["tokens"] == 6 * 2 * 128
+    assert diloco["island_agreement_first_quarter"] == pytest.approx(1.0)  # one island agrees with itself
     assert dp["final_loss"] < dp["curve"][0][1]  # it learned
 
 
@@ -71,6 +74,8 @@ def test_momentum_and_the_codec_change_the_result():
     assert len(set(losses)) == len(losses), losses
     assert fed_back["key"].startswith("diloco H=2 reducer-feedback topk") and iid["key"].endswith("data=iid")
     assert muon["key"].endswith(" muon") and muon["optimizer"] == "muon"
+    # two islands on different data send different outer gradients: their mean is shorter than either (1/2 if orthogonal)
+    assert all(0.5 <= r["island_agreement_first_quarter"] < 0.999 for r in (plain, iid, muon))
 
 
 def test_muon_islands_and_muon_sync_dp_step_their_matrices_with_muon_and_learn():
@@ -159,7 +164,13 @@ def test_the_plan_builds_on_the_best_sync_dp_lr_and_the_best_outer_settings():
     assert all(not r.reducer_feedback for r in plan("seeds", results))  # a reducer-feedback run is never a point's best
     # the iid runs: sync DP and the >= 400x points with every island on the whole corpus, kept out of the main table
     iid = plan("iid", results)
-    assert {(r.method, r.data) for r in iid} == {("syncdp", "iid"), ("diloco", "iid")} and all(r.key.endswith("data=iid") for r in iid)
+    assert (iid[0].method, iid[0].data, iid[0].inner_lr) == ("syncdp", "iid", 2e-3)
+    # then the first target (H = 120, its best inner lr 2.5e-4) again at smaller inner lrs: iid at each factor, on the
+    # shards at the first (the islands' agreement measured on both)
+    again = {(r.data, r.inner_lr) for r in iid if r.inner_steps == 120 and r.inner_lr < 2.5e-4}
+    assert again == {("iid", 2.5e-4 * f) for f in IID_INNER_LR_FACTORS} | {("shards", 2.5e-4 * IID_INNER_LR_FACTORS[0])}
+    assert {(r.inner_steps, r.inner_lr) for r in iid if r.method == "diloco" and r.inner_lr >= 2.5e-4} == {(120, 2.5e-4), (160, 2e-3)}
+    assert all(r.key.endswith("data=iid") for r in iid if r.data == "iid") and len(iid) == 1 + 2 + len(IID_INNER_LR_FACTORS) + 1
     results += [_result("syncdp", 2e-3, 1.9, data="iid"), _result("diloco", 1e-3, 1.995, h=120, codec="int8", outer=(0.35, 0.9), data="iid")]
     summary = summarize(results)
     assert summary["iid"][0]["gap"] == pytest.approx(0.05) and summary["syncdp"]["loss_mean"] == 2.0
@@ -283,9 +294,11 @@ def test_muon_runs_its_points_and_its_own_sync_dp_grid_then_more_seeds_and_gaps_
     diloco = [r for r in runs if r.method == "diloco"]
     assert all(r.optimizer == "muon" and r.seed == 0 for r in runs) and runs[: len(diloco)] == diloco  # the longer first
     assert {(r.inner_steps, r.compression, r.outer_lr, r.inner_lr, r.reducer_feedback) for r in diloco} == {
-        (h, c, o, 2e-3, True) for h, c, grid in MUON_POINTS for o, _ in grid}
+        (h, c, o, 2e-3, True) for h, c, grid in MUON_POINTS for o, _ in grid} | {
+        (h, c, o, 4e-3 * f, True) for h, c, o, _, factors in MUON_INNER_LRS for f in factors}
+    assert len(diloco) == sum(len(grid) for *_, grid in MUON_POINTS) + sum(len(f) for *_, f in MUON_INNER_LRS)
     assert sorted(r.inner_lr for r in runs if r.method == "syncdp") == sorted(MUON_DP_LRS)
-    assert min(r.fewer_bytes_than_syncdp for r in diloco) >= 400
+    assert {round(r.fewer_bytes_than_syncdp) for r in diloco} == {39, 158, 410, 427, 1024}
     results = adamw + [_result("syncdp", r.inner_lr, 1.9 if r.inner_lr == MUON_DP_LRS[-1] else 2.1, optimizer="muon")
                        for r in runs if r.method == "syncdp"]
     # Muon sync DP's best at the grid's edge: the grid grows past it, and no seeds until it brackets its best
@@ -296,9 +309,10 @@ def test_muon_runs_its_points_and_its_own_sync_dp_grid_then_more_seeds_and_gaps_
     bracketed = plan("muon", results)
     assert {(r.inner_lr, r.seed) for r in bracketed if r.seed} == {(MUON_DP_LRS[-1], 1), (MUON_DP_LRS[-1], 2)}
     own = [r for r in bracketed if r.method == "diloco" and r.inner_lr == MUON_DP_LRS[-1] / 2]
-    assert bracketed[: len(own)] == own and len(own) == len(diloco)
+    assert bracketed[: len(own)] == own and len(own) == sum(len(grid) for *_, grid in MUON_POINTS)
     # every point done at both inner lrs: each codec's best at >= 400x (below 1000x) and at >= 1000x, at seeds 1 and 2
-    losses = {(32, 2e-3): 2.2, (60, 2e-3): 2.3, (80, 2e-3): 2.45, (32, 4e-3): 2.25, (60, 4e-3): 2.35, (80, 4e-3): 2.4}
+    losses = {(32, 2e-3): 2.2, (60, 2e-3): 2.3, (80, 2e-3): 2.45, (32, 4e-3): 2.25, (60, 4e-3): 2.35, (80, 4e-3): 2.4,
+              (10, 2e-3): 2.1, (10, 4e-3): 2.12, (40, 2e-3): 2.16, (40, 4e-3): 2.15, (32, 1e-3): 2.3}
     done = [_result("diloco", r.inner_lr, losses[r.inner_steps, r.inner_lr] + (r.outer_momentum == 0.6) * 0.01,
                     h=r.inner_steps, codec=r.compression,
                     outer=(r.outer_lr, r.outer_momentum), reducer_feedback=True, optimizer="muon") for r in own + diloco]
@@ -320,7 +334,7 @@ def test_muon_runs_its_points_and_its_own_sync_dp_grid_then_more_seeds_and_gaps_
     assert "its best (0.008) over 2 seed(s): 1.9000, 2.1000" in table
     assert "+12.5% (+10.0 … +15.0) | **+15.4% (+15.0 … +15.8)** |" in table
     [muon] = [points for name, points in curves(summarize(results)).items() if name.startswith("Muon")]
-    assert [(p["inner_steps"], p["inner_lr"]) for p in muon] == [(80, 4e-3), (60, 2e-3), (32, 2e-3)]  # the best per H
+    assert [(p["inner_steps"], p["inner_lr"]) for p in muon] == [(80, 4e-3), (60, 2e-3), (32, 2e-3), (40, 4e-3), (10, 2e-3)]
 
 
 def test_a_run_already_in_the_results_is_not_run_again(tmp_path, monkeypatch):
