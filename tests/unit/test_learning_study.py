@@ -9,6 +9,7 @@ from dataclasses import asdict
 import pytest
 
 from experiments.learning import (
+    IID_INNER_LR_FACTORS,
     ISLAND_BATCH,
     ISLAND_STEPS,
     LOW_BIT_POINTS,
@@ -18,7 +19,6 @@ from experiments.learning import (
     SIZE_DILOCO,
     SIZE_POINTS,
     SIZE_SEEDS,
-    IID_INNER_LR_FACTORS,
     SPARSE_H,
     STEPS,
     Run,
