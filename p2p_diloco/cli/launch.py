@@ -134,6 +134,8 @@ def parse_peer_env(items: list[str], peers: int) -> dict[int, dict[str, str]]:
             raise ValueError(f"--peer-env {item!r}: expected PEER:NAME=VALUE with PEER in [0, {peers})")
         found.setdefault(int(index), {})[name] = value
     return found
+
+
 _FIRST_PEER_FLAGS = {"--monitor-port", "--monitor-host"}  # one monitor page per swarm: peer0 serves it
 
 

@@ -115,7 +115,7 @@ def _result(method, lr, loss, seed=0, h=1, codec="none", outer=(1.0, 0.0), **fie
                 wire_bytes_per_token=run.wire_bytes_per_token(842_496, 128), fewer_bytes_than_syncdp=run.fewer_bytes_than_syncdp)
 
 
-def test_the_plan_builds_on_the_best_sync_dp_lr_and_the_best_outer_settings():
+def test_the_plan_builds_on_the_best_sync_dp_lr_and_the_best_outer_settings(tmp_path):
     assert plan("outer-grid", []) == []  # nothing to build on before sync DP is tuned
     results = [_result("syncdp", 1e-3, 2.10), _result("syncdp", 2e-3, 2.00), _result("syncdp", 4e-3, 2.05)]
     grid = plan("outer-grid", results)
@@ -174,6 +174,16 @@ def test_the_plan_builds_on_the_best_sync_dp_lr_and_the_best_outer_settings():
     results += [_result("syncdp", 2e-3, 1.9, data="iid"), _result("diloco", 1e-3, 1.995, h=120, codec="int8", outer=(0.35, 0.9), data="iid")]
     summary = summarize(results)
     assert summary["iid"][0]["gap"] == pytest.approx(0.05) and summary["syncdp"]["loss_mean"] == 2.0
+    # a shards run beside the iid ones, where the islands' agreement was measured at the same outer optimizer: its gap
+    # to the shards' sync DP, and the agreement in the report
+    shards = dict(_result("diloco", 5e-4, 2.2, h=120, codec="int8", outer=(0.35, 0.9)), island_agreement_first_quarter=0.41,
+                  island_agreement_last_quarter=0.33)
+    unmeasured = _result("diloco", 4e-4, 2.3, h=120, codec="int8", outer=(0.35, 0.9))
+    iid_rows = summarize([*results, shards, unmeasured])["iid"]
+    assert [(r["data"], r["inner_lr"]) for r in iid_rows] == [("iid", 1e-3), ("shards", 5e-4)]
+    assert iid_rows[1]["gap"] == pytest.approx(0.1) and iid_rows[1]["syncdp_loss"] == 2.0
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*results, shards, unmeasured]))
+    assert "| shards | 2.0000 | 2.2000 | **+10.0%** | 0.410 / 0.330 |" in report(tmp_path)
     with pytest.raises(ValueError, match="data"):
         Run("syncdp", 1e-3, data="mixed")
     with pytest.raises(ValueError, match="unknown phase"):
