@@ -99,16 +99,15 @@ LOW_BIT_TARGETS = (400, 1000)  # once the grid is done: each codec's best at eac
 MUON_DP_LRS = (2e-3, 4e-3, 8e-3)
 # (H, codec, outer optimizers): 410x, 427x, 1024x; the low-bit phase's best outer optimizer at each, then 0.8 / 0.6
 # (less momentum: it won at H = 80) and plain averaging (less still)
-# and the curve's cheaper end, int8 at H = 10 and 40 (39x, 158x): the outer optimizer the AdamW study found there, and
-# 0.8 / 0.6
 MUON_POINTS = ((32, "int2", ((0.7, 0.9), (0.8, 0.6), (1.0, 0.0))), (60, "int4", ((0.7, 0.9), (0.8, 0.6))),
-               (80, "int2", ((0.8, 0.6), (1.0, 0.0))), (10, "int8", ((0.35, 0.9), (0.8, 0.6))),
-               (40, "int8", ((0.7, 0.9), (0.8, 0.6))))
-# Muon islands' inner lr apart from the 1/2 rule: (H, codec, outer lr, momentum, multiples of AdamW sync DP's best)
-MUON_INNER_LRS = ((32, "int2", 0.8, 0.6, (0.25, 1.0)),)
+               (80, "int2", ((0.8, 0.6), (1.0, 0.0))))
+# Muon islands' inner lr apart from the 1/2 rule: (H, codec, outer lr, momentum, multiples of AdamW sync DP's best).
+# At H = 32, 1x beat 1/2 (and 1/4 lost): 2x too, and 1x at the 1024x point and at the curve's cheap end (int8 at
+# H = 10, 39x fewer bytes)
+MUON_INNER_LRS = ((32, "int2", 0.8, 0.6, (0.25, 1.0, 2.0)), (80, "int2", 0.8, 0.6, (1.0,)), (10, "int8", 0.8, 0.6, (1.0,)))
 # iid data (the study's open question): DiLoCo on iid data averages more alike outer gradients, so its outer step is
 # longer at the same inner lr; the iid runs again at these multiples of the target's inner lr, and the same on shards
-IID_INNER_LR_FACTORS = (0.5, 0.25)
+IID_INNER_LR_FACTORS = (0.5,)
 
 
 @dataclass(frozen=True)
