@@ -102,8 +102,8 @@ MUON_DP_LRS = (2e-3, 4e-3, 8e-3)
 MUON_POINTS = ((32, "int2", ((0.7, 0.9), (0.8, 0.6), (1.0, 0.0))), (60, "int4", ((0.7, 0.9), (0.8, 0.6))),
                (80, "int2", ((0.8, 0.6), (1.0, 0.0))))
 # Muon islands' inner lr apart from the 1/2 rule: (H, codec, outer lr, momentum, multiples of AdamW sync DP's best).
-# At H = 32, 1x beat 1/2 (and 1/4 lost): 2x too, and 1x at the 1024x point and at the curve's cheap end (int8 at
-# H = 10, 39x fewer bytes)
+# At H = 32, 1x beat 1/2 (and 1/4 lost): 2x too, and 1x at the 1024x and 427x points and at the curve's cheap end
+# (int8 at H = 10, 39x fewer bytes)
 MUON_INNER_LRS = ((32, "int2", 0.8, 0.6, (0.25, 1.0, 2.0)), (80, "int2", 0.8, 0.6, (1.0,)), (10, "int8", 0.8, 0.6, (1.0,)),
                   (60, "int4", 0.8, 0.6, (1.0,)))
 # iid data (the study's open question): DiLoCo on iid data averages more alike outer gradients, so its outer step is
@@ -441,8 +441,8 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
         # islands' agreement measured on both at one setting)
         runs = [Run("syncdp", lr, data="iid")] + [_like(b, data="iid") for b in targets]
         for b in targets[:1]:
+            runs.append(_like(b, inner_lr=b["inner_lr"] * IID_INNER_LR_FACTORS[0]))
             runs += [_like(b, data="iid", inner_lr=b["inner_lr"] * f) for f in IID_INNER_LR_FACTORS]
-            runs.insert(2, _like(b, inner_lr=b["inner_lr"] * IID_INNER_LR_FACTORS[0]))
         return list(dict.fromkeys(runs))
     if phase == "islands-syncdp":  # sync DP's lr at the larger islands' global batch, the grid growing past its edge
         tried, best = _island_syncdp_grid(results)
@@ -496,16 +496,18 @@ def _muon_dp(results: list[dict]) -> float | None:
 
 
 def _muon_plan(lr: float, results: list[dict]) -> list[Run]:
-    """Phase muon: DiLoCo with Muon islands at MUON_INNER_LRS and MUON_POINTS, inner lr 1/2 of AdamW sync DP's
-    ``lr`` at the latter, and Muon sync DP over its lr grid, grown past the edge where its best is; once that brackets its best, Muon sync DP's best at
-    SEEDS[1:] and the points again at 1/2 of Muon sync DP's best (the study's rule for the inner lr); then each
-    codec's best DiLoCo run at each target's bytes at SEEDS[1:]."""
-    def points(inner_lr: float) -> list[Run]:
-        return [Run("diloco", inner_lr, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m, reducer_feedback=True,
-                    optimizer="muon") for h, c, grid in MUON_POINTS for o, m in grid]
+    """Phase muon: DiLoCo with Muon islands at MUON_INNER_LRS and at MUON_POINTS (inner lr 1/2 of AdamW sync DP's
+    ``lr``), and Muon sync DP over its lr grid, grown past the edge where its best is; once that brackets its best,
+    Muon sync DP's best at SEEDS[1:] and MUON_POINTS again at 1/2 of Muon sync DP's best (the study's rule for the
+    inner lr); then each codec's best DiLoCo run at each target's bytes at SEEDS[1:]."""
+    def island(inner_lr: float, h: int, codec: str, outer_lr: float, momentum: float) -> Run:
+        return Run("diloco", inner_lr, inner_steps=h, compression=codec, outer_lr=outer_lr, outer_momentum=momentum,
+                   reducer_feedback=True, optimizer="muon")
 
-    diloco = [Run("diloco", lr * f, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m, reducer_feedback=True,
-                  optimizer="muon") for h, c, o, m, factors in MUON_INNER_LRS for f in factors] + points(lr / 2)
+    def points(inner_lr: float) -> list[Run]:
+        return [island(inner_lr, h, c, o, m) for h, c, grid in MUON_POINTS for o, m in grid]
+
+    diloco = [island(lr * f, h, c, o, m) for h, c, o, m, factors in MUON_INNER_LRS for f in factors] + points(lr / 2)
     grid = {r["inner_lr"]: r["final_loss"] for r in _muon_runs(results, "syncdp") if r["seed"] == 0}
     runs = diloco + [Run("syncdp", x, optimizer="muon") for x in sorted({*MUON_DP_LRS, *grid})]
     best_dp = _muon_dp(results)

@@ -2,8 +2,9 @@
 every other param (``--inner-optimizer muon``; docs/design.md §2, docs/learning.md "Muon islands").
 
 Muon (momentum, then the update orthogonalized by a Newton–Schulz iteration) is what MuLoCo (Thérien et al. 2025)
-runs inside DiLoCo; in the learning study it took DiLoCo's held-out loss 16–18% lower at the same bytes, and its gap
-to sync DP (with Muon too) at 1,024× fewer bytes from +15.4% to +12.0%. Its update is scaled to AdamW's RMS (0.2 √max(rows, cols), Moonshot's rule), so the AdamW lr
+runs inside DiLoCo; in the learning study it took DiLoCo's held-out loss 17–19% lower at the same bytes, and the gap
+to sync DP (with Muon too) at 1,024× fewer bytes from +15.4% to +9.5%, at sync DP's own inner lr (not half of it, as
+AdamW islands want). Its update is scaled to AdamW's RMS (0.2 √max(rows, cols), Moonshot's rule), so the AdamW lr
 and weight decay carry over. Embeddings, biases and norms stay with AdamW: a lookup table's rows and a vector have no
 matrix for the orthogonalization to act on.
 
