@@ -182,10 +182,14 @@ class OuterConfig:
 
     lr: float = knob(0.7, "outer Nesterov SGD learning rate", flag="--outer-lr")
     momentum: float = knob(0.9, "outer Nesterov momentum; 0 = plain SGD", flag="--outer-momentum")
+    warmup_steps: int = knob(0, "the outer lr rises linearly over this many outer updates, 1/W, 2/W, ... of --outer-lr "
+                             "(with --fragments, each fragment's update counts); 0 = none. Every peer must use the same",
+                             flag="--outer-warmup-steps")
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, f"outer.lr must be > 0, got {self.lr}")
         _require(0 <= self.momentum < 1, f"outer.momentum must be in [0, 1), got {self.momentum}")
+        _require(self.warmup_steps >= 0, f"outer.warmup_steps must be >= 0, got {self.warmup_steps}")
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,14 @@ class OuterOptimizer:
     ``add(alpha=)``, which AVX2 kernels fuse into one FMA and the default kernel does not, and never a Python
     float, which a kernel may apply in double. Its bytes are the same on every backend; its values are within
     an ulp or two of torch's SGD.
+
+    With ``warmup_steps`` W, update k (counted from 0 in ``steps_taken``, which peers share) uses lr (k + 1) / W
+    while k < W: a Python double rounded once to fp32, so the same bytes on every peer.
     """
 
     def __init__(self, global_params: Sequence[torch.Tensor], config: OuterConfig):
         self.params = list(global_params)
-        self.lr, self.momentum = config.lr, config.momentum
+        self.lr, self.momentum, self.warmup_steps = config.lr, config.momentum, config.warmup_steps
         self._lr, self._momentum = fp32(config.lr), fp32(config.momentum)
         self.momentum_buffers = [torch.zeros_like(p) for p in self.params]
         self.steps_taken = 0
@@ -60,6 +63,7 @@ class OuterOptimizer:
             targets = [(s.of(self.params), s.of(self.momentum_buffers)) for s in segments]
         if len(outer_grads) != len(targets):
             raise ValueError(f"expected {len(targets)} outer gradients, got {len(outer_grads)}")
+        lr = self._lr if self.steps_taken >= self.warmup_steps else fp32(self.current_lr)
         for (param, buffer), grad in zip(targets, outer_grads):
             grad = grad.to(param.device, torch.float32)
             update = grad
@@ -67,8 +71,15 @@ class OuterOptimizer:
                 # the buffer starts at zero, so the first step leaves it equal to the gradient, as torch's SGD does
                 buffer.mul_(self._momentum).add_(grad)  # m <- mu * m + g: a multiply, then an add
                 update = buffer.mul(self._momentum).add_(grad)  # g + mu * m
-            param.sub_(update.mul(self._lr))  # theta <- theta - lr * update
+            param.sub_(update.mul(lr))  # theta <- theta - lr * update
         self.steps_taken += 1
+
+    @property
+    def current_lr(self) -> float:
+        """The outer lr the next update uses (below ``lr`` during the warm-up)."""
+        if self.steps_taken >= self.warmup_steps:
+            return self.lr
+        return self.lr * (self.steps_taken + 1) / self.warmup_steps
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.momentum_buffers

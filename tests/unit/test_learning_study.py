@@ -15,7 +15,11 @@ from experiments.learning import (
     LOW_BIT_POINTS,
     MUON_DP_LRS,
     MUON_INNER_LRS,
+    MUON_OUTER_GRID,
     MUON_POINTS,
+    MUON_SEEDED,
+    OUTER_WARMUP_POINTS,
+    SEEDS,
     SIZE_DILOCO,
     SIZE_POINTS,
     SIZE_SEEDS,
@@ -70,10 +74,12 @@ def test_momentum_and_the_codec_change_the_result():
     fed_back = train(tiny("diloco", inner_steps=2, peers=2, compression="topk", reducer_feedback=True))
     iid = train(tiny("diloco", inner_steps=2, peers=2, data="iid"))
     muon = train(tiny("diloco", inner_steps=2, peers=2, optimizer="muon"))
-    losses = [r["final_loss"] for r in (plain, nesterov, int4, topk, fed_back, iid, muon)]
+    warmed = train(tiny("diloco", inner_steps=2, peers=2, outer_lr=0.7, outer_momentum=0.9, outer_warmup=2))
+    losses = [r["final_loss"] for r in (plain, nesterov, int4, topk, fed_back, iid, muon, warmed)]
     assert len(set(losses)) == len(losses), losses
     assert fed_back["key"].startswith("diloco H=2 reducer-feedback topk") and iid["key"].endswith("data=iid")
     assert muon["key"].endswith(" muon") and muon["optimizer"] == "muon"
+    assert warmed["key"].endswith(" outer-warmup=2") and warmed["outer_warmup"] == 2
     # two islands on different data send different outer gradients: their mean is shorter than either (1/2 if orthogonal)
     assert all(0.5 <= r["island_agreement_first_quarter"] < 0.999 for r in (plain, iid, muon))
 
@@ -124,15 +130,17 @@ def test_the_plan_builds_on_the_best_sync_dp_lr_and_the_best_outer_settings(tmp_
                 _result("diloco", 2e-3, 2.1, h=10, codec="int8", outer=(1.0, 0.0))]
     # DiLoCo's own inner lr is tried below sync DP's with each point's best outer optimizer
     assert {(r.inner_lr, r.inner_steps, r.outer_lr) for r in plan("inner-lr", results)} == {(1e-3, 10, 1.0), (4e-3, 10, 1.0)}
-    assert {(r.method, r.seed) for r in plan("seeds", results)} == {("syncdp", 1), ("syncdp", 2)}  # no target point yet
+    assert {(r.method, r.inner_steps, r.seed) for r in plan("seeds", results)} == {
+        ("syncdp", 1, 1), ("syncdp", 1, 2), ("diloco", 10, 1), ("diloco", 10, 2)}  # no target point yet: the curve's
     results += [_result("diloco", 2e-3, 2.2, h=120, codec="int8", outer=(0.35, 0.9)),
                 _result("diloco", 2e-3, 2.3, h=120, codec="int8", outer=(0.7, 0.9))]
     assert (1e-3, 120, 0.35) in {(r.inner_lr, r.inner_steps, r.outer_lr) for r in plan("inner-lr", results)}
     h120 = [r for r in plan("seeds", results) if r.method == "diloco"]
-    assert {(r.seed, r.inner_steps, r.inner_lr, r.outer_lr) for r in h120} == {(1, 120, 2e-3, 0.35), (2, 120, 2e-3, 0.35)}
+    assert {(r.seed, r.inner_steps, r.inner_lr, r.outer_lr) for r in h120[:2]} == {(1, 120, 2e-3, 0.35), (2, 120, 2e-3, 0.35)}
+    assert {(r.seed, r.inner_steps, r.outer_lr) for r in h120[2:]} == {(1, 10, 1.0), (2, 10, 1.0)}  # the targets first
     # a lower inner lr that won is what the seeds, the schedule and the checks build on
     results.append(_result("diloco", 1e-3, 2.15, h=120, codec="int8", outer=(0.35, 0.9)))
-    h120 = [r for r in plan("seeds", results) if r.method == "diloco"]
+    h120 = [r for r in plan("seeds", results) if r.method == "diloco" and r.inner_steps == 120]
     assert {(r.seed, r.inner_lr) for r in h120} == {(1, 1e-3), (2, 1e-3)}
     assert {(r.schedule, r.inner_steps, r.inner_lr, r.outer_lr) for r in plan("schedule", results)} == {
         ("grow", 10, 2e-3, 1.0), ("grow", 120, 1e-3, 0.35)}
@@ -297,16 +305,44 @@ def test_the_low_bit_codecs_run_at_the_targets_bytes_then_their_best_at_more_see
     assert [(p["inner_steps"], p["outer_lr"]) for p in int2] == [(80, 0.8), (32, 0.35)]  # by bytes per token, the best
 
 
+def test_a_curve_compares_the_settings_at_one_h_at_seed_0_not_a_mean_of_3_seeds_with_one():
+    results = [_result("syncdp", 4e-3, 2.0, seed=s) for s in SEEDS]
+    results += [_result("diloco", 2e-3, loss, seed=s, h=32, codec="int2", outer=(0.7, 0.9), reducer_feedback=True)
+                for s, loss in zip(SEEDS, (2.1, 2.5, 2.5))]  # +5% at seed 0, +18% over 3 seeds
+    results.append(_result("diloco", 2e-3, 2.2, h=32, codec="int2", outer=(0.8, 0.6), reducer_feedback=True))  # +10%
+    [int2] = [points for name, points in curves(summarize(results)).items() if name.startswith("int2")]
+    assert [(p["outer_momentum"], p["seeds"]) for p in int2] == [(0.9, 3)]
+    assert int2[0]["gap_seed0"] == pytest.approx(0.05) and int2[0]["gap_mean"] == pytest.approx(0.55 / 3)
+
+
+def test_the_outer_warmup_runs_the_410x_points_of_both_inner_optimizers_with_a_warmup_and_reports_it(tmp_path):
+    assert plan("outer-warmup", []) == []
+    results = [_result("syncdp", 2e-3, 2.05), _result("syncdp", 4e-3, 2.0)]
+    runs = plan("outer-warmup", results)
+    assert {(r.optimizer, r.inner_steps, r.compression, r.inner_lr, r.outer_warmup) for r in runs} == {
+        (opt, h, c, 4e-3 * f, w) for opt, h, c, _, _, f, warmups in OUTER_WARMUP_POINTS for w in warmups}
+    assert all(r.outer_warmup > 0 and r.reducer_feedback and r.seed == 0 for r in runs)
+    done = results + [_result("diloco", 2e-3, 2.2 - 0.1 * (w > 0), h=32, codec="int2", outer=(0.8, 0.6),
+                              reducer_feedback=True, outer_warmup=w) for w in (0, 10)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in done))
+    points = summarize(load(tmp_path))["points"]
+    assert sorted(p["outer_warmup"] for p in points) == [0, 10]  # its own point, beside the one without
+    assert "outer lr warm-up over 10 rounds" in report(tmp_path)
+    assert [r for r in plan("outer-warmup", done) if r.key not in {d["key"] for d in done}] == runs[1:]  # done once
+
+
 def test_muon_runs_its_points_and_its_own_sync_dp_grid_then_more_seeds_and_gaps_to_both_baselines(tmp_path):
     assert plan("muon", []) == []  # DiLoCo's inner lr is half of AdamW sync DP's best: nothing to build on yet
     adamw = [_result("syncdp", 2e-3, 2.05), _result("syncdp", 4e-3, 2.0), _result("syncdp", 4e-3, 2.02, seed=1)]
     runs = plan("muon", adamw)
     diloco = [r for r in runs if r.method == "diloco"]
     assert all(r.optimizer == "muon" and r.seed == 0 for r in runs) and runs[: len(diloco)] == diloco  # the longer first
-    assert {(r.inner_steps, r.compression, r.outer_lr, r.inner_lr, r.reducer_feedback) for r in diloco} == {
-        (h, c, o, 2e-3, True) for h, c, grid in MUON_POINTS for o, _ in grid} | {
-        (h, c, o, 4e-3 * f, True) for h, c, o, _, factors in MUON_INNER_LRS for f in factors}
-    assert len(diloco) == sum(len(grid) for *_, grid in MUON_POINTS) + sum(len(f) for *_, f in MUON_INNER_LRS)
+    assert {(r.inner_steps, r.compression, r.outer_lr, r.outer_momentum, r.inner_lr, r.reducer_feedback)
+            for r in diloco} == {(h, c, o, m, 2e-3, True) for h, c, grid in MUON_POINTS for o, m in grid} | {
+        (h, c, o, m, 4e-3 * f, True) for h, c, o, m, factors in MUON_INNER_LRS for f in factors} | {
+        (h, c, o, m, 4e-3 * f, True) for h, c, f, grid in MUON_OUTER_GRID for o, m in grid}
+    assert len(diloco) == sum(len(grid) for *_, grid in MUON_POINTS + MUON_OUTER_GRID) + sum(
+        len(f) for *_, f in MUON_INNER_LRS)
     assert sorted(r.inner_lr for r in runs if r.method == "syncdp") == sorted(MUON_DP_LRS)
     assert {round(r.fewer_bytes_than_syncdp) for r in diloco} == {39, 410, 427, 1024}
     results = adamw + [_result("syncdp", r.inner_lr, 1.9 if r.inner_lr == MUON_DP_LRS[-1] else 2.1, optimizer="muon")
@@ -317,9 +353,12 @@ def test_muon_runs_its_points_and_its_own_sync_dp_grid_then_more_seeds_and_gaps_
     results.append(_result("syncdp", 2 * MUON_DP_LRS[-1], 2.3, optimizer="muon"))
     # bracketed: Muon sync DP's best at more seeds, and the points again at 1/2 of it (the study's rule), first
     bracketed = plan("muon", results)
-    assert {(r.inner_lr, r.seed) for r in bracketed if r.seed} == {(MUON_DP_LRS[-1], 1), (MUON_DP_LRS[-1], 2)}
+    assert {(r.method, r.inner_steps, r.inner_lr, r.seed) for r in bracketed if r.seed} == {
+        ("syncdp", 1, MUON_DP_LRS[-1], s) for s in (1, 2)} | {  # and the seeded points off the targets' bytes
+        ("diloco", h, 4e-3 * f, s) for h, *_, f in MUON_SEEDED for s in (1, 2)}
     own = [r for r in bracketed if r.method == "diloco" and r.inner_lr == MUON_DP_LRS[-1] / 2
-           and (r.inner_steps, r.compression) in {(h, c) for h, c, _ in MUON_POINTS}]
+           and (r.inner_steps, r.compression, (r.outer_lr, r.outer_momentum)) in {
+               (h, c, om) for h, c, grid in MUON_POINTS for om in grid}]
     assert bracketed[: len(own)] == own and len(own) == sum(len(grid) for *_, grid in MUON_POINTS)
     # every point done at both inner lrs: each codec's best at >= 400x (below 1000x) and at >= 1000x, at seeds 1 and 2
     losses = {(32, 2e-3): 2.2, (60, 2e-3): 2.3, (80, 2e-3): 2.45, (32, 4e-3): 2.25, (60, 4e-3): 2.35, (80, 4e-3): 2.4,
@@ -327,10 +366,12 @@ def test_muon_runs_its_points_and_its_own_sync_dp_grid_then_more_seeds_and_gaps_
     done = [_result("diloco", r.inner_lr, losses[r.inner_steps, r.inner_lr] + (r.outer_momentum == 0.6) * 0.01,
                     h=r.inner_steps, codec=r.compression,
                     outer=(r.outer_lr, r.outer_momentum), reducer_feedback=True, optimizer="muon") for r in own + diloco]
-    assert all(r.seed == 0 for r in plan("muon", results + done[1:]) if r.method == "diloco")  # not all done: no seeds
+    seeded = {(h, 4e-3 * f, s) for h, *_, f in MUON_SEEDED for s in (1, 2)}
+    assert {(r.inner_steps, r.inner_lr, r.seed) for r in plan("muon", results + done[1:])
+            if r.method == "diloco" and r.seed} == seeded  # not all done: no seeds for the targets' bytes yet
     results += done
     assert {(r.inner_steps, r.inner_lr, r.seed) for r in plan("muon", results) if r.method == "diloco" and r.seed} == {
-        (32, 2e-3, 1), (32, 2e-3, 2), (60, 2e-3, 1), (60, 2e-3, 2), (80, 4e-3, 1), (80, 4e-3, 2)}  # each codec's best
+        (32, 2e-3, 1), (32, 2e-3, 2), (60, 2e-3, 1), (60, 2e-3, 2), (80, 4e-3, 1), (80, 4e-3, 2)} | seeded  # each codec's best
     # Muon runs stay out of the AdamW study's table; their gaps are to AdamW sync DP and to the better of the two
     results += [_result("syncdp", MUON_DP_LRS[-1], 2.1, seed=1, optimizer="muon"),
                 _result("diloco", 2e-3, 2.323, seed=1, h=32, codec="int2", outer=(0.7, 0.9), reducer_feedback=True, optimizer="muon")]

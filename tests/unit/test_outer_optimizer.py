@@ -72,3 +72,48 @@ def test_wrong_number_of_gradients_raises():
     outer = OuterOptimizer([torch.zeros(2), torch.zeros(3)], OuterConfig())
     with pytest.raises(ValueError, match="expected 2 outer gradients, got 1"):
         outer.step([torch.zeros(2)])
+
+
+def test_warmup_scales_the_lr_linearly_then_holds_it_as_torch_sgd_with_that_schedule():
+    generator = torch.Generator().manual_seed(2)
+    start = _random_tensors(generator)
+    ours = [t.clone() for t in start]
+    outer = OuterOptimizer(ours, OuterConfig(lr=0.8, momentum=0.6, warmup_steps=4))
+    reference = [torch.nn.Parameter(t.clone()) for t in start]
+    sgd = torch.optim.SGD(reference, lr=0.8, momentum=0.6, dampening=0, nesterov=True)
+    lrs = []
+    for k in range(7):
+        lrs.append(outer.current_lr)
+        for group in sgd.param_groups:
+            group["lr"] = 0.8 * min(1.0, (k + 1) / 4)
+        grads = _random_tensors(generator)
+        outer.step(grads)
+        for param, grad in zip(reference, grads, strict=True):
+            param.grad = grad.clone()
+        sgd.step()
+        assert_all_close(ours, reference)
+    assert lrs == pytest.approx([0.2, 0.4, 0.6, 0.8, 0.8, 0.8, 0.8])
+
+
+def test_a_peer_that_joins_during_the_warmup_continues_bit_identically():
+    """steps_taken travels with the state, so a joiner's warm-up lr is the swarm's (invariant 1)."""
+    generator = torch.Generator().manual_seed(3)
+    config = OuterConfig(lr=0.7, momentum=0.9, warmup_steps=6)
+    original_params = _random_tensors(generator)
+    original = OuterOptimizer(original_params, config)
+    grads = [_random_tensors(generator) for _ in range(8)]
+    for g in grads[:2]:
+        original.step(g)
+    joined_params = [p.clone() for p in original_params]
+    joined = OuterOptimizer(joined_params, config)
+    joined.load_state([m.clone() for m in original.state_tensors()], original.steps_taken)
+    assert joined.current_lr == original.current_lr == pytest.approx(0.35)
+    for g in grads[2:]:
+        original.step(g)
+        joined.step(g)
+    assert params_sha256(joined_params) == params_sha256(original_params)
+
+
+def test_a_negative_warmup_is_refused():
+    with pytest.raises(ValueError, match="outer.warmup_steps must be >= 0"):
+        OuterConfig(warmup_steps=-1)
