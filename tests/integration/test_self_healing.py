@@ -86,6 +86,10 @@ def test_killed_during_averaging_resumes_from_its_checkpoint_and_contributes(tmp
 
     restarted = swarm.start("peer2", shard=2, num_shards=3, extra=[*flags(2), "--resume"], append=True)
     swarm.wait_until(lambda: _grouped(swarm.records("peer2")[len(before):], 2), 120, "the restarted peer to contribute")
+    # a round that failed for one member and not for another (a part lost one way) leaves two groups at one outer
+    # step; the peers heal such a fork at their next round (docs/design.md §4). Stopping in between would leave one
+    # peer on the other bytes, so stop once every fork is healed, failing if one is not within a few rounds
+    swarm.wait_until(lambda: check_invariant_1(swarm.all_records())["held"], 60, "every fork healed (invariant 1)")
     swarm.stop_all()
 
     records = swarm.all_records()
