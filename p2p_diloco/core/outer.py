@@ -48,7 +48,7 @@ class OuterOptimizer:
     def __init__(self, global_params: Sequence[torch.Tensor], config: OuterConfig):
         self.params = list(global_params)
         self.lr, self.momentum, self.warmup_steps = config.lr, config.momentum, config.warmup_steps
-        self._lr, self._momentum = fp32(config.lr), fp32(config.momentum)
+        self._momentum = fp32(config.momentum)
         self.momentum_buffers = [torch.zeros_like(p) for p in self.params]
         self.steps_taken = 0
 
@@ -63,7 +63,7 @@ class OuterOptimizer:
             targets = [(s.of(self.params), s.of(self.momentum_buffers)) for s in segments]
         if len(outer_grads) != len(targets):
             raise ValueError(f"expected {len(targets)} outer gradients, got {len(outer_grads)}")
-        lr = self._lr if self.steps_taken >= self.warmup_steps else fp32(self.current_lr)
+        lr = fp32(self.current_lr)  # --outer-lr itself once the warm-up is over (or without one)
         for (param, buffer), grad in zip(targets, outer_grads):
             grad = grad.to(param.device, torch.float32)
             update = grad
