@@ -120,6 +120,20 @@ IID_INNER_LR_FACTORS = (0.5, 0.25)
 # a warm-up of the outer lr (the issue's suggestion; OuterConfig.warmup_steps): the 410x point's best settings for
 # each inner optimizer, (optimizer, H, codec, outer lr, momentum, multiple of sync DP's best lr, warm-ups in rounds)
 OUTER_WARMUP_POINTS = (("adamw", 32, "int2", 0.8, 0.6, 0.5, (10, 30)), ("muon", 32, "int2", 0.8, 0.6, 1.0, (10,)))
+# the gap's floor: DiLoCo averaging every inner step (H = 1, fp32 outer gradients, plain averaging), so the islands
+# never drift apart and what is left is each island's own optimizer stepping on a quarter of sync DP's batch (the
+# mean of 4 AdamW or Muon updates, not one update of the mean gradient): (optimizer, H, multiples of sync DP's best
+# lr), the grid grown past its edge while its best is there; then AdamW at H = 1 with the outer optimizer H = 10 does
+# best with (FLOOR_NESTEROV: lr, momentum, multiple), and the best AdamW floor at SEEDS[1:]
+FLOOR_POINTS = (("adamw", (0.5, 1.0)), ("muon", (1.0,)))
+FLOOR_NESTEROV = (0.35, 0.9, 0.5)
+# the best AdamW floor's inner lr and plain averaging carried to these (H, codec): the curve's cheap end (39x), where
+# the grid tried plain averaging at sync DP's inner lr only
+FLOOR_CARRIED = ((10, "int8"),)
+# the same floor with islands of ISLAND_BATCH sequences at the same tokens (ISLAND_STEPS[0] steps), against sync DP
+# tuned at that global batch (phase islands-syncdp): multiples of its best lr. Less noise per island's step, so its
+# optimizer's step is nearer to the one a single machine would make of the mean gradient
+FLOOR_ISLAND_FACTORS = (0.5, 1.0)
 
 
 @dataclass(frozen=True)
@@ -414,6 +428,8 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
     if phase == "outer-warmup":
         return [Run("diloco", lr * f, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m, reducer_feedback=True,
                     optimizer=opt, outer_warmup=w) for opt, h, c, o, m, f, warmups in OUTER_WARMUP_POINTS for w in warmups]
+    if phase == "floor":
+        return _floor_plan(lr, results)
     if phase == "outer-grid":
         return [Run("diloco", lr, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m)
                 for h, c in DILOCO_POINTS for o, m in OUTER_GRID]
@@ -497,6 +513,43 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
             _like(targets[0], outer_lr=1.0, outer_momentum=0.0, **one)]
 
 
+def _floor_plan(lr: float, results: list[dict]) -> list[Run]:
+    """Phase floor: DiLoCo at H = 1 with plain averaging at FLOOR_POINTS (multiples of sync DP's best ``lr``) and, once
+    sync DP at ISLAND_BATCH is tuned, at FLOOR_ISLAND_FACTORS of its best; each of these grids grown by doubling or
+    halving while its best is at its edge (up to INNER_LR_LIMIT); AdamW at H = 1 with FLOOR_NESTEROV. Once a grid
+    brackets its best: that run at SEEDS[1:] (at ISLAND_BATCH with sync DP's best there at those seeds), and the
+    AdamW floor's inner lr with plain averaging at FLOOR_CARRIED."""
+    done = {r["key"]: r for r in results}
+    grids = [[Run("diloco", lr * f, optimizer=opt) for f in factors] for opt, factors in FLOOR_POINTS]
+    if (island_lr := _island_syncdp(results)) is not None:
+        grids.append([Run("diloco", island_lr * f, batch_size=ISLAND_BATCH, steps=ISLAND_STEPS[0])
+                      for f in FLOOR_ISLAND_FACTORS])
+    o, m, f = FLOOR_NESTEROV
+    runs, bests = [], []
+    for grid in grids:  # one optimizer at one batch, the grid grown at its edge from what is done
+        tried = [replace(grid[0], inner_lr=r["inner_lr"]) for r in results if r["method"] == "diloco"]
+        grid = sorted({*grid, *(run for run in tried if run.key in done)}, key=lambda run: run.inner_lr)
+        runs += grid
+        if not all(run.key in done for run in grid):
+            continue
+        best = min(grid, key=lambda run: done[run.key]["final_loss"])
+        base = island_lr if best.batch_size == ISLAND_BATCH else lr
+        if best == grid[-1] and best.inner_lr * 2 <= base * INNER_LR_LIMIT:
+            runs.append(replace(best, inner_lr=best.inner_lr * 2))
+        elif best == grid[0] and best.inner_lr / 2 >= base / INNER_LR_LIMIT:
+            runs.append(replace(best, inner_lr=best.inner_lr / 2))
+        else:
+            bests.append(best)
+    runs.append(Run("diloco", lr * f, outer_lr=o, outer_momentum=m))
+    for best in bests:
+        runs += [replace(best, seed=s) for s in SEEDS[1:]]
+        if best.batch_size == ISLAND_BATCH:
+            runs += [Run("syncdp", island_lr, seed=s, batch_size=ISLAND_BATCH, steps=ISLAND_STEPS[0]) for s in SEEDS[1:]]
+        elif best.optimizer == "adamw":
+            runs += [replace(best, inner_steps=h, compression=c) for h, c in FLOOR_CARRIED]
+    return list(dict.fromkeys(runs))
+
+
 def _muon_runs(results: list[dict], method: str) -> list[dict]:
     return [r for r in results if r["method"] == method and r.get("optimizer") == "muon" and _standard(dict(r, optimizer="adamw"))]
 
@@ -551,7 +604,7 @@ def _muon_plan(lr: float, results: list[dict]) -> list[Run]:
 
 
 PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune", "codecs", "seeds", "iid", "checks", "schedule",
-          "islands-syncdp", "islands", "sizes", "low-bit", "muon", "outer-warmup")
+          "islands-syncdp", "islands", "sizes", "low-bit", "muon", "outer-warmup", "floor")
 
 
 # what each phase builds on: its runs are planned only once these phases have none left to run
@@ -559,7 +612,7 @@ NEEDS = {"tune-syncdp": (), "outer-grid": ("tune-syncdp",), "inner-lr": ("tune-s
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("codecs", "outer-retune")})
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune") for phase in PHASES[5:9]})  # seeds ...
 NEEDS.update({"islands-syncdp": (), "islands": (), "sizes": (), "low-bit": ("tune-syncdp",), "muon": ("tune-syncdp",),
-              "outer-warmup": ("tune-syncdp",)})  # islands plans nothing until sync DP's grid brackets its best
+              "outer-warmup": ("tune-syncdp",), "floor": ("tune-syncdp",)})  # islands plans nothing until sync DP's grid brackets its best
 
 
 def _remaining(phase: str, results: list[dict]) -> list[Run]:

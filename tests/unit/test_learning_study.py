@@ -9,6 +9,10 @@ from dataclasses import asdict
 import pytest
 
 from experiments.learning import (
+    FLOOR_CARRIED,
+    FLOOR_ISLAND_FACTORS,
+    FLOOR_NESTEROV,
+    FLOOR_POINTS,
     IID_INNER_LR_FACTORS,
     ISLAND_BATCH,
     ISLAND_STEPS,
@@ -329,6 +333,44 @@ def test_the_outer_warmup_runs_the_410x_points_of_both_inner_optimizers_with_a_w
     assert sorted(p["outer_warmup"] for p in points) == [0, 10]  # its own point, beside the one without
     assert "outer lr warm-up over 10 rounds" in report(tmp_path)
     assert [r for r in plan("outer-warmup", done) if r.key not in {d["key"] for d in done}] == runs[1:]  # done once
+
+
+def test_the_floor_averages_every_step_in_fp32_grows_its_lr_grids_at_their_edge_then_seeds_its_best():
+    assert plan("floor", []) == []
+    dp = [_result("syncdp", 2e-3, 2.05), _result("syncdp", 4e-3, 2.0)]
+    runs = plan("floor", dp)
+    o, m, f = FLOOR_NESTEROV
+    assert [(r.optimizer, r.inner_lr, r.outer_lr) for r in runs] == [
+        *((opt, 4e-3 * f, 1.0) for opt, factors in FLOOR_POINTS for f in factors), ("adamw", 4e-3 * f, o)]
+    assert all((r.inner_steps, r.compression, r.seed, r.batch_size) == (1, "none", 0, 2) for r in runs)
+    assert {r.fewer_bytes_than_syncdp for r in runs} == {1.0}  # fp32 every step: sync DP's bytes
+    # larger islands too, once sync DP at their global batch is tuned: at its best lr's multiples, the same tokens
+    islands_dp = [_result("syncdp", lr, loss, batch_size=ISLAND_BATCH, steps=ISLAND_STEPS[0])
+                  for lr, loss in ((4e-3, 2.1), (8e-3, 2.0), (16e-3, 2.2))]
+    larger = [r for r in plan("floor", dp + islands_dp) if r.batch_size == ISLAND_BATCH]
+    assert [(r.inner_lr, r.steps, r.inner_steps, r.compression) for r in larger] == [
+        (8e-3 * f, ISLAND_STEPS[0], 1, "none") for f in FLOOR_ISLAND_FACTORS]
+    # AdamW's best at the top of its grid: one more doubling; Muon's at the bottom of its: one halving
+    done = dp + [_result("diloco", 2e-3, 2.2), _result("diloco", 4e-3, 2.1), _result("diloco", 2e-3, 2.15, outer=(o, m)),
+                 _result("diloco", 4e-3, 2.0, optimizer="muon"), _result("diloco", 8e-3, 2.1, optimizer="muon")]
+    keys = {r["key"] for r in done}
+    assert [(r.optimizer, r.inner_lr) for r in plan("floor", done) if r.key not in keys] == [("adamw", 8e-3), ("muon", 2e-3)]
+    # once AdamW's grid brackets its best, that one at the other seeds
+    done.append(_result("diloco", 8e-3, 2.12))
+    seeds = [r for r in plan("floor", done) if r.key not in keys | {done[-1]["key"]}]
+    assert [(r.optimizer, r.inner_lr, r.seed, r.inner_steps) for r in seeds] == [
+        ("muon", 2e-3, 0, 1), *(("adamw", 4e-3, s, 1) for s in SEEDS[1:]), *(("adamw", 4e-3, 0, h) for h, _ in FLOOR_CARRIED)]
+    assert all(r.outer_lr == 1.0 and r.outer_momentum == 0.0 for r in seeds)
+    # the larger islands' grid, once it brackets its best: that one at the other seeds, and sync DP at theirs
+    done += islands_dp + [_result("diloco", lr, loss, batch_size=ISLAND_BATCH, steps=ISLAND_STEPS[0])
+                          for lr, loss in ((4e-3, 2.2), (8e-3, 2.05), (16e-3, 2.3))]
+    larger = [(r.method, r.inner_lr, r.seed) for r in plan("floor", done) if r.batch_size == ISLAND_BATCH and r.seed]
+    assert larger == [*(("diloco", 8e-3, s) for s in SEEDS[1:]), *(("syncdp", 8e-3, s) for s in SEEDS[1:])]
+    # the islands' optimizers step on their own batches: the mean of two AdamW steps is not one of the mean gradient
+    sync = train(tiny("syncdp", peers=2))
+    floor = train(tiny("diloco", peers=2, inner_steps=1))
+    assert floor["outer_steps"] == 6 and floor["tokens"] == sync["tokens"]
+    assert abs(floor["final_loss"] - sync["final_loss"]) > 1e-4
 
 
 def test_muon_runs_its_points_and_its_own_sync_dp_grid_then_more_seeds_and_gaps_to_both_baselines(tmp_path):
