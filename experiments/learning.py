@@ -823,11 +823,11 @@ def report(out: Path) -> str:
     if summary["islands"]:
         lines += ["", f"Islands of {ISLAND_BATCH} sequences per inner step ({ISLAND_BATCH // BATCH}× the study's): gap to the "
                   "best sync DP run at the same global batch, steps and seed", "",
-                  "| run | inner steps | outer steps | fewer bytes than fp32 sync DP | sync DP loss (its lr) | loss | gap |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| run | seed | inner steps | outer steps | fewer bytes than fp32 sync DP | sync DP loss (its lr) | loss | gap |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in sorted(summary["islands"], key=lambda r: (r["inner_steps"], r["inner_lr"], r["seed"])):
             name = f"H {r['inner_steps']} {r['compression']}, " + method_name(r, r["inner_lr"]) + f", inner lr {r['inner_lr']:g}"
-            lines.append(f"| {name} | {r['steps']} | {r['outer_steps']} | {r['fewer_bytes_than_syncdp']:,.0f}× "
+            lines.append(f"| {name} | {r['seed']} | {r['steps']} | {r['outer_steps']} | {r['fewer_bytes_than_syncdp']:,.0f}× "
                          f"| {r['syncdp_loss']:.4f} ({r['syncdp_lr']:g}) | {r['final_loss']:.4f} | **{100 * r['gap']:+.1f}%** |")
     if summary["sizes"]:
         h, c, o, m = SIZE_DILOCO
