@@ -122,9 +122,9 @@ IID_INNER_LR_FACTORS = (0.5, 0.25)
 OUTER_WARMUP_POINTS = (("adamw", 32, "int2", 0.8, 0.6, 0.5, (10, 30)), ("muon", 32, "int2", 0.8, 0.6, 1.0, (10,)))
 # the gap's floor: DiLoCo averaging every inner step (H = 1, fp32 outer gradients, plain averaging), so the islands
 # never drift apart and what is left is each island's own optimizer stepping on a quarter of sync DP's batch (the
-# mean of 4 AdamW or Muon updates, not one update of the mean gradient): (optimizer, H, multiples of sync DP's best
-# lr), the grid grown past its edge while its best is there; then AdamW at H = 1 with the outer optimizer H = 10 does
-# best with (FLOOR_NESTEROV: lr, momentum, multiple), and the best AdamW floor at SEEDS[1:]
+# mean of 4 AdamW or Muon updates, not one update of the mean gradient): (optimizer, multiples of sync DP's best lr),
+# each grid grown past its edge while its best is there, then its best at SEEDS[1:]; and AdamW at H = 1 with the
+# outer optimizer H = 10 does best with (FLOOR_NESTEROV: lr, momentum, multiple)
 FLOOR_POINTS = (("adamw", (0.5, 1.0)), ("muon", (1.0,)))
 FLOOR_NESTEROV = (0.35, 0.9, 0.5)
 # the best AdamW floor's inner lr and plain averaging carried to these (H, codec): the curve's cheap end (39x), where
