@@ -368,6 +368,17 @@ def _same_outer(run: dict, other: dict) -> bool:
     return all(run[k] == other[k] for k in ("inner_steps", "compression", "outer_lr", "outer_momentum"))
 
 
+def _past_edge(tried: list[float], best: float, low: float = 0.0, high: float = float("inf")) -> float | None:
+    """The lr a grid tries next while its best is at its edge: the best doubled at the top (first: a grid of one
+    grows upward), halved at the bottom, if that stays within [``low``, ``high``]; None once the grid brackets its
+    best or the limit is reached. ``tried``: the grid's lrs, sorted."""
+    if best == tried[-1] and best * 2 <= high:
+        return best * 2
+    if best == tried[0] and best / 2 >= low:
+        return best / 2
+    return None
+
+
 def _like(best: dict, **changes) -> Run:
     """``best``'s DiLoCo run with ``changes``."""
     fields = dict(inner_steps=best["inner_steps"], compression=best["compression"], outer_lr=best["outer_lr"],
@@ -445,10 +456,8 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
                          compression=b["compression"], outer_lr=b["outer_lr"], outer_momentum=b["outer_momentum"])
             if len(tried) < 1 + len(INNER_LR_FACTORS):
                 continue  # the edge is known once the first grid is done
-            if best["inner_lr"] == tried[0] and best["inner_lr"] / 2 >= lr / INNER_LR_LIMIT:
-                runs.append(_like(b, inner_lr=best["inner_lr"] / 2))  # the best is at the low edge: look below
-            if best["inner_lr"] == tried[-1] and best["inner_lr"] * 2 <= lr * INNER_LR_LIMIT:
-                runs.append(_like(b, inner_lr=best["inner_lr"] * 2))
+            if (past := _past_edge(tried, best["inner_lr"], lr / INNER_LR_LIMIT, lr * INNER_LR_LIMIT)) is not None:
+                runs.append(_like(b, inner_lr=past))
         return list(dict.fromkeys(runs))
     # the best of every inner lr tried, per point
     bests = [b for h, c in DILOCO_POINTS if (b := _best(results, method="diloco", inner_steps=h, compression=c,
@@ -482,9 +491,8 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
         tried, best = _island_syncdp_grid(results)
         runs = [Run("syncdp", lr, batch_size=ISLAND_BATCH, steps=ISLAND_STEPS[0]) for lr in ISLAND_DP_LRS]
         if set(tried) >= set(ISLAND_DP_LRS):
-            if best in (tried[0], tried[-1]):
-                runs.append(Run("syncdp", best / 2 if best == tried[0] else best * 2, batch_size=ISLAND_BATCH,
-                                steps=ISLAND_STEPS[0]))
+            if (past := _past_edge(tried, best)) is not None:
+                runs.append(Run("syncdp", past, batch_size=ISLAND_BATCH, steps=ISLAND_STEPS[0]))
             else:  # the grid brackets its best: the longer runs at that lr
                 runs += [Run("syncdp", best, batch_size=ISLAND_BATCH, steps=s) for s in ISLAND_STEPS[1:]]
         return runs
@@ -534,10 +542,9 @@ def _floor_plan(lr: float, results: list[dict]) -> list[Run]:
             continue
         best = min(grid, key=lambda run: done[run.key]["final_loss"])
         base = island_lr if best.batch_size == ISLAND_BATCH else lr
-        if best == grid[-1] and best.inner_lr * 2 <= base * INNER_LR_LIMIT:
-            runs.append(replace(best, inner_lr=best.inner_lr * 2))
-        elif best == grid[0] and best.inner_lr / 2 >= base / INNER_LR_LIMIT:
-            runs.append(replace(best, inner_lr=best.inner_lr / 2))
+        past = _past_edge([run.inner_lr for run in grid], best.inner_lr, base / INNER_LR_LIMIT, base * INNER_LR_LIMIT)
+        if past is not None:
+            runs.append(replace(best, inner_lr=past))
         else:
             bests.append(best)
     runs.append(Run("diloco", lr * f, outer_lr=o, outer_momentum=m))
@@ -561,7 +568,7 @@ def _muon_dp(results: list[dict]) -> float | None:
         return None
     best, tried = min(grid, key=grid.get), sorted(grid)
     low, high = MUON_DP_LRS[0] / INNER_LR_LIMIT, MUON_DP_LRS[-1] * INNER_LR_LIMIT
-    if (best == tried[0] and best / 2 >= low) or (best == tried[-1] and best * 2 <= high):
+    if _past_edge(tried, best, low, high) is not None:
         return None  # at the grid's edge: look past it first
     return best
 
@@ -584,8 +591,7 @@ def _muon_plan(lr: float, results: list[dict]) -> list[Run]:
     runs = diloco + [Run("syncdp", x, optimizer="muon") for x in sorted({*MUON_DP_LRS, *grid})]
     best_dp = _muon_dp(results)
     if set(MUON_DP_LRS) <= set(grid) and best_dp is None:
-        best, tried = min(grid, key=grid.get), sorted(grid)
-        runs.append(Run("syncdp", best / 2 if best == tried[0] else best * 2, optimizer="muon"))
+        runs.append(Run("syncdp", _past_edge(sorted(grid), min(grid, key=grid.get)), optimizer="muon"))  # at its edge
     if best_dp is not None:
         runs += [Run("syncdp", best_dp, seed=s, optimizer="muon") for s in SEEDS[1:]]
         runs += [replace(island(lr * f, h, c, o, m), seed=s) for h, c, o, m, f in MUON_SEEDED for s in SEEDS[1:]]
