@@ -1,6 +1,7 @@
 """The learning study: DiLoCo's loss gap to tuned synchronous data parallel, against bytes on the wire per token.
 
     python scripts/learning_study.py run --out docs/learning [--jobs 2] [--phase tune-syncdp outer-grid seeds]
+    python scripts/learning_study.py probe --out docs/learning [--jobs 2]
     python scripts/learning_study.py report --out docs/learning
 
 Both methods are computed in one process each, without a network (as equal_tokens.py does, whose arithmetic this
@@ -18,8 +19,9 @@ shares), on the default model and the built-in corpus, with the settings the pap
   (the same for every run); the curve on the way on the first 4 of them.
 
 Each finished run is appended to ``results.jsonl`` under ``--out`` at once; ``run`` skips the runs already there,
-so the study resumes where it stopped (and can grow across sessions). ``report`` writes ``study.md`` (the table)
-and ``study.png`` (the gap against bytes per token, seeds as a band) from that file alone.
+so the study resumes where it stopped (and can grow across sessions). ``probe`` runs some of phase floor's runs again
+with sync DP's step measured beside each of theirs (_FloorProbe), into ``floor_probe.jsonl``. ``report`` writes
+``study.md`` (the tables) and ``study.png`` (the gap against bytes per token, seeds as a band) from those files alone.
 
 Wire bytes per token count what one peer sends per token it trained: in a butterfly all-reduce of n peers each
 sends (n - 1)/n of its outer gradient to the reducers and each reducer sends (n - 1)/n of its averaged part back,
@@ -33,7 +35,7 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, as_completed, wait
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -132,8 +134,14 @@ FLOOR_NESTEROV = (0.35, 0.9, 0.5)
 FLOOR_CARRIED = ((10, "int8"),)
 # the same floor with islands of ISLAND_BATCH sequences at the same tokens (ISLAND_STEPS[0] steps), against sync DP
 # tuned at that global batch (phase islands-syncdp): multiples of its best lr. Less noise per island's step, so its
-# optimizer's step is nearer to the one a single machine would make of the mean gradient
+# optimizer's step was expected nearer to the one a single machine would make of the mean gradient (the probe found
+# the mean of their steps no nearer to sync DP's: docs/learning.md, "The floor's steps")
 FLOOR_ISLAND_FACTORS = (0.5, 1.0)
+# the floor's mechanism (``probe``, _FloorProbe): these floor runs (seed 0) again with sync DP's step measured beside
+# each of theirs, (optimizer, sequences per island, multiple of that sync DP's best lr): each optimizer at its sync
+# DP's lr and at its best floor's (2x; Muon first: the longest), AdamW past it (4x), the larger islands at their best
+FLOOR_PROBES = (("muon", BATCH, 2.0), ("adamw", BATCH, 1.0), ("adamw", BATCH, 2.0), ("adamw", ISLAND_BATCH, 1.0),
+                ("muon", BATCH, 1.0), ("adamw", BATCH, 4.0))
 
 
 @dataclass(frozen=True)
@@ -242,11 +250,14 @@ def _inner_optimizer(model: torch.nn.Module, run: Run) -> tuple[torch.optim.Opti
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, run.steps))
 
 
-def _step(model: torch.nn.Module, optimizer, schedule, inputs, targets) -> None:
+def _step(model: torch.nn.Module, optimizer, schedule, inputs, targets, grads: list | None = None) -> None:
+    """One inner step; ``grads``, when given, gets a copy of the step's gradients before clipping (_FloorProbe)."""
     model.train()
     loss = model(inputs, targets)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    if grads is not None:
+        grads.append([torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
     torch.nn.utils.clip_grad_norm_(list(model.parameters()), InnerConfig().grad_clip_norm)
     optimizer.step()
     schedule.step()
@@ -257,10 +268,87 @@ def _curve_every(run: Run) -> int:
     return max(1, run.steps // run.inner_steps // CURVE_POINTS)
 
 
-def train(run: Run) -> dict:
-    """One run from the seeded init to the end of its budget; its final held-out loss and the curve on the way."""
+class _FloorProbe:
+    """What the mean of the islands' steps is against the step sync DP would take from the same params on the same
+    batches (phase floor's mechanism, docs/learning.md "The gap's floor"). At H = 1 every island steps from the global
+    params, so the mean of their gradients is sync DP's gradient there (the shards' batches are equal in size); a
+    shadow copy of the model with its own inner optimizer at sync DP's lr takes that gradient each step, and its step
+    is compared with the islands' averaged one. The shadow never touches the run: the trajectory, and so the final
+    loss, are the run's own. Per step: the mean step's length against the shadow's, its part along the shadow's step
+    and across it (both as fractions of the shadow's length), their cosine, one island's step (RMS) against the
+    shadow's, how often the gradient clipping acts on an island and on the shadow; at each quarter's end, AdamW's
+    divisor (the square root of its second moment, where the optimizer keeps one) of an island against the shadow's,
+    coordinate by coordinate (the median)."""
+
+    def __init__(self, run: Run, config: ModelConfig, shadow_lr: float, optimizers: list[tuple]):
+        if (run.method, run.inner_steps, run.compression, run.outer_lr, run.outer_momentum, run.schedule) != (
+                "diloco", 1, "none", 1.0, 0.0, "fixed"):
+            raise ValueError("the floor's probe needs DiLoCo at H = 1, fp32 (none) and plain averaging (outer 1 / 0)")
+        if run.steps < 4:
+            raise ValueError(f"the floor's probe reports quarters of the steps: it needs at least 4, got {run.steps}")
+        self.shadow = build_model(config, run.seed)
+        self.optimizer, self.schedule = _inner_optimizer(self.shadow, replace(run, inner_lr=shadow_lr))
+        self.island_optimizers = [optimizer for optimizer, _ in optimizers]
+        self.clip = InnerConfig().grad_clip_norm
+        self.quarter_ends = {len(run.round_ends()) * q // 4 for q in range(1, 5)}
+        self.grads: list[list[torch.Tensor]] = []  # the islands' gradients of this step, before clipping
+        self.rows: list[dict] = []
+        self.divisors: list[float] = []
+
+    @torch.no_grad()
+    def observe(self, global_params: list[torch.Tensor], average: list[torch.Tensor], sent: list[list[torch.Tensor]]) -> None:
+        """After the islands' step (``sent``: each one's outer gradient, params minus island; ``average``: their
+        mean, which the plain outer step subtracts from ``global_params``), before the outer step."""
+        island_norms = [float(torch.cat([g.reshape(-1) for g in grads]).norm()) for grads in self.grads]
+        for param, value, *grads in zip(self.shadow.parameters(), global_params, *self.grads):
+            param.copy_(value)
+            param.grad = torch.stack(grads).mean(0)
+        self.grads.clear()
+        shadow_norm = float(torch.nn.utils.clip_grad_norm_(list(self.shadow.parameters()), self.clip))
+        self.optimizer.step()
+        self.schedule.step()
+        shadow = [p - v for p, v in zip(self.shadow.parameters(), global_params)]
+        length2 = sum(float(d.pow(2).sum()) for d in shadow)
+        mean2 = sum(float(a.pow(2).sum()) for a in average)
+        along = -sum(float((a * d).sum()) for a, d in zip(average, shadow))  # the mean step is -average
+        islands2 = sum(float(v.pow(2).sum()) for values in sent for v in values) / len(sent)
+        across2 = sum(float((a + along / length2 * d).pow(2).sum()) for a, d in zip(average, shadow))  # -a minus its part along
+        self.rows.append(dict(length=(mean2 / length2) ** 0.5, along=along / length2, across=(across2 / length2) ** 0.5,
+                              cosine=along / (mean2 * length2) ** 0.5, island_length=(islands2 / length2) ** 0.5,
+                              island_clipped=sum(n > self.clip for n in island_norms) / len(island_norms),
+                              shadow_clipped=float(shadow_norm > self.clip)))
+        if len(self.rows) in self.quarter_ends:
+            self.divisors.append(self._divisor())
+
+    def _divisor(self) -> float | None:
+        """The median over the coordinates (those with a second moment, the AdamW ones) of an island's AdamW divisor
+        against the shadow's, sqrt(v_island / v_shadow), averaged over the islands; None without a second moment."""
+        def second_moments(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+            found = [s["exp_avg_sq"].reshape(-1) for s in optimizer.state.values() if "exp_avg_sq" in s]
+            return torch.cat(found) if found else None
+
+        shadow = second_moments(self.optimizer)
+        if shadow is None:
+            return None
+        kept = shadow > 0
+        ratios = [float((second_moments(o)[kept] / shadow[kept]).sqrt().median()) for o in self.island_optimizers]
+        return sum(ratios) / len(ratios)
+
+    def summary(self) -> dict:
+        quarters = [self.rows[len(self.rows) * q // 4: len(self.rows) * (q + 1) // 4] for q in range(4)]
+        return dict(quarters=[{k: round(sum(r[k] for r in rows) / len(rows), 4) for k in rows[0]}
+                              | dict(divisor=None if divisor is None else round(divisor, 4))
+                              for rows, divisor in zip(quarters, self.divisors)])
+
+
+def train(run: Run, shadow_lr: float | None = None) -> dict:
+    """One run from the seeded init to the end of its budget; its final held-out loss and the curve on the way. With
+    ``shadow_lr`` (a floor run only), the same run with _FloorProbe's measurement beside it, sync DP's step at that lr."""
+    if shadow_lr is not None and run.method != "diloco":
+        raise ValueError("the floor's probe measures DiLoCo runs")
     started = time.monotonic()
     config, shards, held_out = _shards(run)
+    probe = None
     tokens_per_step = run.peers * run.batch_size * config.seq_len  # swarm tokens per inner step (all islands)
     global_model = build_model(config, run.seed)
     params = sum(p.numel() for p in global_model.parameters())
@@ -283,13 +371,14 @@ def train(run: Run) -> dict:
         codec = make_codec(run.compression)
         feedback = [ErrorFeedback(codec) for _ in islands] if run.compression in FEEDBACK_CODECS else None
         reducer = ErrorFeedback(codec) if run.reducer_feedback else None
+        probe = None if shadow_lr is None else _FloorProbe(run, config, shadow_lr, optimizers)
 
         ends, previous = run.round_ends(), None
         for round_index, (begin, end) in enumerate(zip([0, *ends], ends)):
             sent = []
             for i, (island, (optimizer, schedule), shard) in enumerate(zip(islands, optimizers, shards)):
                 for _ in range(end - begin):
-                    _step(island, optimizer, schedule, *shard.train.next_batch())
+                    _step(island, optimizer, schedule, *shard.train.next_batch(), grads=None if probe is None else probe.grads)
                 outer_grad = [g - p.detach() for g, p in zip(global_params, island.parameters())]
                 if feedback:
                     values, residual = feedback[i].prepare(outer_grad)
@@ -302,6 +391,8 @@ def train(run: Run) -> dict:
             # they are orthogonal (the averaged step's length against one island's)
             agreements.append(sum(float(a.pow(2).sum()) for a in average)
                               / (sum(float(v.pow(2).sum()) for values in sent for v in values) / len(sent)))
+            if probe is not None:
+                probe.observe(global_params, average, sent)
             if reducer is not None:  # the reducer's re-encode, its error sent in the next round
                 average, residual = reducer.prepare(average)
                 reducer.commit(residual)
@@ -327,6 +418,8 @@ def train(run: Run) -> dict:
         quarter = max(1, len(agreements) // 4)
         diagnostics.update(island_agreement_first_quarter=round(sum(agreements[:quarter]) / quarter, 4),
                            island_agreement_last_quarter=round(sum(agreements[-quarter:]) / quarter, 4))
+    if probe is not None:
+        diagnostics.update(shadow_lr=shadow_lr, floor_probe=probe.summary())
     return dict(
         asdict(run), **diagnostics, key=run.key, final_loss=round(final, 5), tokens=run.steps * tokens_per_step,
         outer_steps=run.steps // run.inner_steps if run.method == "diloco" else 0,
@@ -659,6 +752,45 @@ def run_study(out: Path, phases: list[str], jobs: int) -> None:
                 print(f"  {result['key']}: loss {result['final_loss']:.4f} in {result['seconds']:.0f} s", flush=True)
 
 
+def probe_runs(results: list[dict]) -> list[tuple[Run, float]]:
+    """FLOOR_PROBES' runs, each with the lr of the sync DP it is compared with (its optimizer's, at its batch), those
+    whose sync DP is tuned."""
+    best = _best(results, method="syncdp")
+    base = {("adamw", BATCH): best and best["inner_lr"], ("muon", BATCH): _muon_dp(results),
+            ("adamw", ISLAND_BATCH): _island_syncdp(results)}
+    return [(Run("diloco", base[opt, batch] * f, batch_size=batch, optimizer=opt,
+                 steps=STEPS if batch == BATCH else ISLAND_STEPS[0]), base[opt, batch])
+            for opt, batch, f in FLOOR_PROBES if base[opt, batch] is not None]
+
+
+def run_probes(out: Path, jobs: int) -> None:
+    """The floor's probe (_FloorProbe) on probe_runs not yet in floor_probe.jsonl, ``jobs`` at once, each appended with
+    the final loss results.jsonl holds for the same run (the probe leaves the run as it was: the two should agree)."""
+    results, path = load(out), out / "floor_probe.jsonl"
+    done = {r["key"] for r in _load_probes(out)}
+    stored = {r["key"]: r["final_loss"] for r in results}
+    todo = [(run, lr) for run, lr in probe_runs(results) if run.key not in done]
+    if not todo:
+        print("probe: done" if done else f"probe: no floor run's sync DP is tuned in {out / 'results.jsonl'} yet", flush=True)
+        return
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(train, run, lr): run for run, lr in todo}
+        for run, lr in todo:
+            print(f"  queued {run.key} (sync DP's lr {lr:g})", flush=True)
+        for future in as_completed(futures):
+            result = future.result()
+            result["stored_final_loss"] = stored.get(result["key"])
+            with path.open("a") as f:
+                f.write(json.dumps(result) + "\n")
+            print(f"  {result['key']}: loss {result['final_loss']:.4f} (results.jsonl: {result['stored_final_loss']}) "
+                  f"in {result['seconds']:.0f} s", flush=True)
+
+
+def _load_probes(out: Path) -> list[dict]:
+    path = out / "floor_probe.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 _POINT = ("inner_steps", "compression", "schedule", "reducer_feedback", "inner_lr", "outer_lr", "outer_momentum",
           "outer_warmup")
 
@@ -856,10 +988,35 @@ def report(out: Path) -> str:
                 lines.append(f"| {p['inner_steps']} | {p['compression']} | Muon islands, {method_name(p, None)} "
                              f"| {p['outer_steps']} | {p['fewer_bytes_than_syncdp']:,.0f}× | {p['seeds']} | {p['loss_mean']:.4f} "
                              f"| {_gap(p, 'gap_adamw')} | **{_gap(p, 'gap')}** |")
+    lines += _probe_table(_load_probes(out))
     table = "\n".join(lines) + "\n"
     (out / "study.md").write_text(table)
     _plot(summary, out / "study.png")
     return table
+
+
+def _probe_table(probes: list[dict]) -> list[str]:
+    """The floor's probe (_FloorProbe): per run and quarter of its steps, the islands' mean step against sync DP's."""
+    if not probes:
+        return []
+    lines = ["", "The floor's steps (`probe`: H = 1, plain averaging; sync DP's step from the same params on the same batches, "
+             "at its own lr, beside each): the islands' mean step, its part along sync DP's step and across it, as "
+             "fractions of sync DP's step's length; their cosine; one island's step (RMS) against sync DP's; the share of "
+             "steps whose gradient was clipped (islands / sync DP); AdamW's divisor sqrt(v), island's against sync DP's "
+             "(median over the coordinates) at the quarter's end", "",
+             "| run | quarter | mean step | along | across | cosine | one island's step | clipped | divisor | loss (results.jsonl) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(probes, key=lambda r: (r["batch_size"], r["optimizer"], r["inner_lr"])):
+        name = (f"{'Muon' if r['optimizer'] == 'muon' else 'AdamW'}, {r['batch_size']} sequences, inner lr {r['inner_lr']:g} "
+                f"({r['inner_lr'] / r['shadow_lr']:g}× sync DP's)")
+        for q, row in enumerate(r["floor_probe"]["quarters"], 1):
+            divisor = "–" if row["divisor"] is None else f"{row['divisor']:.3f}"
+            stored = "–" if r["stored_final_loss"] is None else f"{r['stored_final_loss']:.4f}"
+            loss = f"{r['final_loss']:.4f} ({stored})" if q == 1 else ""
+            lines.append(f"| {name if q == 1 else ''} | {q} | {row['length']:.3f} | {row['along']:.3f} | {row['across']:.3f} "
+                         f"| {row['cosine']:.3f} | {row['island_length']:.3f} | {row['island_clipped']:.2f} / "
+                         f"{row['shadow_clipped']:.2f} | {divisor} | {loss} |")
+    return lines
 
 
 def _gap(point: dict, kind: str) -> str:
@@ -971,15 +1128,21 @@ def main(argv: list[str] | None = None, prog: str = "learning_study.py") -> int:
     run_parser.add_argument("--out", default="docs/learning", help="folder of results.jsonl (default docs/learning)")
     run_parser.add_argument("--phase", nargs="+", choices=PHASES, default=list(PHASES), help="phases, in order (default: all)")
     run_parser.add_argument("--jobs", type=int, default=2, help="runs at once, one process and one thread each (default 2)")
+    probe_parser = commands.add_parser("probe", help="the floor's probe: FLOOR_PROBES' runs with sync DP's step beside, "
+                                       "into floor_probe.jsonl")
+    probe_parser.add_argument("--out", default="docs/learning", help="folder of results.jsonl (default docs/learning)")
+    probe_parser.add_argument("--jobs", type=int, default=2, help="runs at once, one process and one thread each (default 2)")
     report_parser = commands.add_parser("report", help="write study.md and study.png from results.jsonl")
     report_parser.add_argument("--out", default="docs/learning", help="folder of results.jsonl (default docs/learning)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     try:
+        if args.command in ("run", "probe") and args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         if args.command == "run":
-            if args.jobs < 1:
-                parser.error(f"--jobs must be >= 1, got {args.jobs}")
             run_study(out, args.phase, args.jobs)
+        elif args.command == "probe":
+            run_probes(out, args.jobs)
         else:
             print(report(out), end="")
     except (ValueError, OSError, json.JSONDecodeError) as e:

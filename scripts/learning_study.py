@@ -1,6 +1,7 @@
 """The learning study: DiLoCo's loss gap to tuned sync DP against wire bytes per token (docs/learning.md).
 
     python scripts/learning_study.py run --out docs/learning [--jobs 2] [--phase tune-syncdp outer-grid seeds]
+    python scripts/learning_study.py probe --out docs/learning [--jobs 2]
     python scripts/learning_study.py report --out docs/learning
 
 The logic lives in experiments/learning.py; this file only calls it.

@@ -7,12 +7,14 @@ import json
 from dataclasses import asdict
 
 import pytest
+import torch
 
 from experiments.learning import (
     FLOOR_CARRIED,
     FLOOR_ISLAND_FACTORS,
     FLOOR_NESTEROV,
     FLOOR_POINTS,
+    FLOOR_PROBES,
     IID_INNER_LR_FACTORS,
     ISLAND_BATCH,
     ISLAND_STEPS,
@@ -36,12 +38,15 @@ from experiments.learning import (
     main,
     next_runs,
     plan,
+    probe_runs,
     report,
+    run_probes,
     run_study,
     summarize,
     train,
 )
 from p2p_diloco.core.compression import make_codec
+from p2p_diloco.core.config import InnerConfig
 
 
 def tiny(method: str, **kwargs) -> Run:
@@ -371,6 +376,55 @@ def test_the_floor_averages_every_step_in_fp32_grows_its_lr_grids_at_their_edge_
     floor = train(tiny("diloco", peers=2, inner_steps=1))
     assert floor["outer_steps"] == 6 and floor["tokens"] == sync["tokens"]
     assert abs(floor["final_loss"] - sync["final_loss"]) > 1e-4
+
+
+def test_the_floor_probe_leaves_the_run_as_it_was_and_finds_the_mean_of_adamw_steps_off_sync_dps(monkeypatch):
+    run = tiny("diloco", peers=2, steps=8)  # H = 1, fp32, plain averaging: the floor
+    probed = train(run, shadow_lr=run.inner_lr)
+    assert probed["final_loss"] == train(run)["final_loss"] and probed["shadow_lr"] == run.inner_lr
+    quarters = probed["floor_probe"]["quarters"]
+    assert len(quarters) == 4
+    # two AdamW islands on their own batches: the mean of their steps is shorter than sync DP's and points elsewhere,
+    # and each island divides by a larger sqrt(v) than sync DP does on the mean gradient
+    assert all(q["length"] < 0.95 and q["cosine"] < 0.995 and q["across"] > 0.05 and q["divisor"] > 1.0 for q in quarters)
+    # the control: an optimizer linear in the gradient (SGD, no clipping) makes the mean of the islands' steps sync DP's
+    monkeypatch.setattr("experiments.learning.build_inner_optimizer",
+                        lambda kind, model, lr, wd: torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd))
+    monkeypatch.setattr("experiments.learning.InnerConfig", lambda: InnerConfig(grad_clip_norm=1e9))
+    linear = train(run, shadow_lr=run.inner_lr)["floor_probe"]["quarters"]
+    assert all(q["length"] == pytest.approx(1.0, abs=1e-3) and q["cosine"] > 0.9999 and q["across"] < 0.01
+               and q["divisor"] is None and q["island_clipped"] == 0.0 for q in linear)
+    with pytest.raises(ValueError, match="H = 1"):
+        train(tiny("diloco", peers=2, inner_steps=2), shadow_lr=1e-3)
+    with pytest.raises(ValueError, match="DiLoCo"):
+        train(tiny("syncdp"), shadow_lr=1e-3)
+
+
+def test_the_probe_runs_the_tuned_floor_runs_once_each_and_reports_them(tmp_path, monkeypatch, capsys):
+    dp = [_result("syncdp", lr, loss) for lr, loss in ((2e-3, 2.05), (4e-3, 2.0), (8e-3, 2.1))]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dp))
+    runs = probe_runs(load(tmp_path))  # only AdamW's sync DP at 2 sequences is tuned
+    assert [(r.optimizer, r.batch_size, r.inner_lr, lr) for r, lr in runs] == [
+        ("adamw", 2, 4e-3 * f, 4e-3) for opt, batch, f in FLOOR_PROBES if (opt, batch) == ("adamw", 2)]
+    assert all((r.inner_steps, r.compression, r.outer_lr, r.outer_momentum, r.seed) == (1, "none", 1.0, 0.0, 0) for r, _ in runs)
+    ran = []
+
+    def fake_train(run, shadow_lr):
+        ran.append(run.key)
+        quarter = dict(length=0.5, along=0.4, across=0.3, cosine=0.8, island_length=1.1, island_clipped=0.25,
+                       shadow_clipped=0.0, divisor=1.7)
+        return dict(asdict(run), key=run.key, final_loss=2.01, shadow_lr=shadow_lr, seconds=1.0,
+                    floor_probe=dict(quarters=[quarter] * 4))
+
+    monkeypatch.setattr("experiments.learning.train", fake_train)
+    monkeypatch.setattr("experiments.learning.ProcessPoolExecutor", _InlinePool)
+    run_probes(tmp_path, jobs=1)
+    run_probes(tmp_path, jobs=1)  # done: nothing again
+    assert ran == [r.key for r, _ in runs] and "probe: done" in capsys.readouterr().out
+    table = report(tmp_path)
+    assert "| AdamW, 2 sequences, inner lr 0.008 (2× sync DP's) | 1 | 0.500 | 0.400 | 0.300 | 0.800 | 1.100 | 0.25 / 0.00 | 1.700 |" in table
+    assert main(["probe", "--out", str(tmp_path), "--jobs", "0"]) == 2
+    assert capsys.readouterr().err == "learning_study.py: error: --jobs must be >= 1, got 0\n"
 
 
 def test_muon_runs_its_points_and_its_own_sync_dp_grid_then_more_seeds_and_gaps_to_both_baselines(tmp_path):
