@@ -135,8 +135,16 @@ FLOOR_CARRIED = ((10, "int8"),)
 # the same floor with islands of ISLAND_BATCH sequences at the same tokens (ISLAND_STEPS[0] steps), against sync DP
 # tuned at that global batch (phase islands-syncdp): multiples of its best lr. Less noise per island's step, so its
 # optimizer's step was expected nearer to the one a single machine would make of the mean gradient (the probe found
-# the mean of their steps no nearer to sync DP's: docs/learning.md, "The floor's steps")
+# the mean of their steps no nearer to sync DP's, and phase floor-short their lower floor to be their fewer steps:
+# docs/learning.md, "The gap's floor")
 FLOOR_ISLAND_FACTORS = (0.5, 1.0)
+# the floor over fewer steps: islands of BATCH sequences for FLOOR_SHORT_STEPS steps (the larger islands' step count,
+# 1/4 of their tokens), so that their lower floor can be told apart from their fewer steps: sync DP at its global batch
+# over FLOOR_SHORT_DP_LRS, DiLoCo at H = 1 (fp32, plain averaging) at FLOOR_SHORT_FACTORS of its best, each grid grown
+# at its edge, then both bests at SEEDS[1:]
+FLOOR_SHORT_STEPS = ISLAND_STEPS[0]
+FLOOR_SHORT_DP_LRS = (2e-3, 4e-3, 8e-3)
+FLOOR_SHORT_FACTORS = (1.0, 2.0)
 # the floor's mechanism (``probe``, _FloorProbe): these floor runs (seed 0) again with sync DP's step measured beside
 # each of theirs, (optimizer, sequences per island, multiple of that sync DP's best lr): each optimizer at its sync
 # DP's lr and at its best floor's (2x; Muon first: the longest), AdamW past it (4x), the larger islands at their best
@@ -499,6 +507,8 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
         raise ValueError(f"unknown phase {phase!r}")
     if phase == "tune-syncdp":
         return [Run("syncdp", lr) for lr in SYNC_DP_LRS]
+    if phase == "floor-short":  # needs nothing: its own sync DP grid first
+        return _floor_short_plan(results)
     if phase == "sizes":  # needs nothing: its grids are fixed, and the gap is taken to the best sync DP at each width
         h, c, o, m = SIZE_DILOCO
         grids = {d: [*(Run("syncdp", lr, d_model=d) for lr in lrs),
@@ -650,6 +660,40 @@ def _floor_plan(lr: float, results: list[dict]) -> list[Run]:
     return list(dict.fromkeys(runs))
 
 
+def _floor_short(result: dict) -> bool:
+    """A run of phase floor-short (any seed): the study's islands and data for FLOOR_SHORT_STEPS steps; DiLoCo's at
+    H = 1, fp32, plain averaging."""
+    return ((result["peers"], result["batch_size"], result["steps"], result["data"], result["d_model"], result["optimizer"])
+            == (PEERS, BATCH, FLOOR_SHORT_STEPS, "shards", D_MODEL, "adamw")
+            and (result["method"] == "syncdp" or (result["inner_steps"], result["compression"], result["outer_lr"],
+                                                  result["outer_momentum"], result["schedule"]) == (1, "none", 1.0, 0.0, "fixed")))
+
+
+def _floor_short_plan(results: list[dict]) -> list[Run]:
+    """Phase floor-short (FLOOR_SHORT_STEPS): sync DP's lr grid, grown at its edge until it brackets its best; then
+    DiLoCo at H = 1 at FLOOR_SHORT_FACTORS of that best, grown likewise (within INNER_LR_LIMIT); then both bests at
+    SEEDS[1:]."""
+    done = {r["key"]: r for r in results}
+    runs: list[Run] = []
+    bests: list[Run] = []
+    base = None
+    for method in ("syncdp", "diloco"):
+        lrs = FLOOR_SHORT_DP_LRS if base is None else tuple(base * f for f in FLOOR_SHORT_FACTORS)
+        tried = {r["inner_lr"] for r in results if _floor_short(r) and r["method"] == method and r["seed"] == 0}
+        grid = [Run(method, lr, steps=FLOOR_SHORT_STEPS) for lr in sorted({*lrs, *tried})]
+        runs += grid
+        if not all(run.key in done for run in grid):
+            return runs
+        best = min(grid, key=lambda run: done[run.key]["final_loss"])
+        limits = (0.0, float("inf")) if base is None else (base / INNER_LR_LIMIT, base * INNER_LR_LIMIT)
+        past = _past_edge([run.inner_lr for run in grid], best.inner_lr, *limits)
+        if past is not None:
+            return runs + [replace(best, inner_lr=past)]
+        bests.append(best)
+        base = best.inner_lr
+    return runs + [replace(best, seed=s) for best in bests for s in SEEDS[1:]]
+
+
 def _muon_runs(results: list[dict], method: str) -> list[dict]:
     return [r for r in results if r["method"] == method and r.get("optimizer") == "muon" and _standard(dict(r, optimizer="adamw"))]
 
@@ -703,7 +747,7 @@ def _muon_plan(lr: float, results: list[dict]) -> list[Run]:
 
 
 PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune", "codecs", "seeds", "iid", "checks", "schedule",
-          "islands-syncdp", "islands", "sizes", "low-bit", "muon", "outer-warmup", "floor")
+          "islands-syncdp", "islands", "sizes", "low-bit", "muon", "outer-warmup", "floor", "floor-short")
 
 
 # what each phase builds on: its runs are planned only once these phases have none left to run
@@ -711,7 +755,7 @@ NEEDS = {"tune-syncdp": (), "outer-grid": ("tune-syncdp",), "inner-lr": ("tune-s
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("codecs", "outer-retune")})
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune") for phase in PHASES[5:9]})  # seeds ...
 NEEDS.update({"islands-syncdp": (), "islands": (), "sizes": (), "low-bit": ("tune-syncdp",), "muon": ("tune-syncdp",),
-              "outer-warmup": ("tune-syncdp",), "floor": ("tune-syncdp",)})  # islands plans nothing until sync DP's grid brackets its best
+              "outer-warmup": ("tune-syncdp",), "floor": ("tune-syncdp",), "floor-short": ()})  # islands plans nothing until sync DP's grid brackets its best
 
 
 def _remaining(phase: str, results: list[dict]) -> list[Run]:
@@ -988,11 +1032,31 @@ def report(out: Path) -> str:
                 lines.append(f"| {p['inner_steps']} | {p['compression']} | Muon islands, {method_name(p, None)} "
                              f"| {p['outer_steps']} | {p['fewer_bytes_than_syncdp']:,.0f}× | {p['seeds']} | {p['loss_mean']:.4f} "
                              f"| {_gap(p, 'gap_adamw')} | **{_gap(p, 'gap')}** |")
+    lines += _floor_short_table(load(out))
     lines += _probe_table(_load_probes(out))
     table = "\n".join(lines) + "\n"
     (out / "study.md").write_text(table)
     _plot(summary, out / "study.png")
     return table
+
+
+def _floor_short_table(results: list[dict]) -> list[str]:
+    """Phase floor-short: sync DP's grid (seed 0), and each DiLoCo run's gap to sync DP's best lr at the same seed."""
+    runs = [r for r in results if _floor_short(r)]
+    grid = {r["inner_lr"]: r["final_loss"] for r in runs if r["method"] == "syncdp" and r["seed"] == 0}
+    if not grid:
+        return []
+    best_lr = min(grid, key=grid.get)
+    dp = {r["seed"]: r["final_loss"] for r in runs if r["method"] == "syncdp" and r["inner_lr"] == best_lr}
+    lines = ["", f"The floor over {FLOOR_SHORT_STEPS} steps (phase floor-short: islands of {BATCH} sequences, 1/4 of the "
+             "study's tokens, the larger islands' step count; H = 1, fp32, plain averaging). Sync DP, lr grid at seed 0: "
+             + ", ".join(f"{lr:g} → {loss:.4f}" for lr, loss in sorted(grid.items()))
+             + f"; its best ({best_lr:g}) per seed: " + ", ".join(f"{loss:.4f}" for _, loss in sorted(dp.items())), "",
+             "| DiLoCo inner lr | × sync DP's | seed | loss | gap |", "|---|---|---|---|---|"]
+    for r in sorted((r for r in runs if r["method"] == "diloco" and r["seed"] in dp), key=lambda r: (r["inner_lr"], r["seed"])):
+        lines.append(f"| {r['inner_lr']:g} | {r['inner_lr'] / best_lr:g} | {r['seed']} | {r['final_loss']:.4f} "
+                     f"| **{100 * (r['final_loss'] / dp[r['seed']] - 1):+.1f}%** |")
+    return lines
 
 
 def _probe_table(probes: list[dict]) -> list[str]:

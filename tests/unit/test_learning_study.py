@@ -15,6 +15,9 @@ from experiments.learning import (
     FLOOR_NESTEROV,
     FLOOR_POINTS,
     FLOOR_PROBES,
+    FLOOR_SHORT_DP_LRS,
+    FLOOR_SHORT_FACTORS,
+    FLOOR_SHORT_STEPS,
     IID_INNER_LR_FACTORS,
     ISLAND_BATCH,
     ISLAND_STEPS,
@@ -376,6 +379,33 @@ def test_the_floor_averages_every_step_in_fp32_grows_its_lr_grids_at_their_edge_
     floor = train(tiny("diloco", peers=2, inner_steps=1))
     assert floor["outer_steps"] == 6 and floor["tokens"] == sync["tokens"]
     assert abs(floor["final_loss"] - sync["final_loss"]) > 1e-4
+
+
+def test_the_short_floor_tunes_its_own_sync_dp_then_diloco_at_h_1_from_its_best_then_seeds_both(tmp_path):
+    short = dict(steps=FLOOR_SHORT_STEPS)
+    assert [(r.method, r.inner_lr, r.steps) for r in plan("floor-short", [])] == [
+        ("syncdp", lr, FLOOR_SHORT_STEPS) for lr in FLOOR_SHORT_DP_LRS]
+    # sync DP's best at the top of its grid: one doubling, nothing of DiLoCo's yet
+    done = [_result("syncdp", lr, 2.3 - 10 * lr, **short) for lr in FLOOR_SHORT_DP_LRS]
+    done.append(_result("diloco", 4e-3, 2.0))  # the standard floor's run: not this phase's
+    keys = {r["key"] for r in done}
+    assert [(r.method, r.inner_lr) for r in plan("floor-short", done) if r.key not in keys] == [("syncdp", 16e-3)]
+    done.append(_result("syncdp", 16e-3, 2.3, **short))  # bracketed at 8e-3: DiLoCo at its multiples
+    runs = [r for r in plan("floor-short", done) if r.key not in {r["key"] for r in done}]
+    assert [(r.method, r.inner_lr, r.inner_steps, r.compression, r.outer_lr, r.outer_momentum, r.steps) for r in runs] == [
+        ("diloco", 8e-3 * f, 1, "none", 1.0, 0.0, FLOOR_SHORT_STEPS) for f in FLOOR_SHORT_FACTORS]
+    done += [_result("diloco", 8e-3, 2.25, **short), _result("diloco", 16e-3, 2.3, **short)]
+    assert [(r.method, r.inner_lr) for r in plan("floor-short", done) if r.key not in {r["key"] for r in done}] == [
+        ("diloco", 4e-3)]  # its best at the bottom edge: halved
+    done.append(_result("diloco", 4e-3, 2.28, **short))
+    seeds = [(r.method, r.inner_lr, r.seed) for r in plan("floor-short", done) if r.key not in {r["key"] for r in done}]
+    assert seeds == [("syncdp", 8e-3, s) for s in SEEDS[1:]] + [("diloco", 8e-3, s) for s in SEEDS[1:]]
+    done += [_result("syncdp", 4e-3, 2.0), _result("syncdp", 8e-3, 2.2, seed=1, **short), _result("diloco", 8e-3, 2.31, seed=1, **short)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in done))
+    table = report(tmp_path)
+    # each DiLoCo run against sync DP's best lr at its own seed: 2.25 / 2.22 at seed 0, 2.31 / 2.2 at seed 1
+    assert "| 0.008 | 1 | 0 | 2.2500 | **+1.4%** |" in table and "| 0.008 | 1 | 1 | 2.3100 | **+5.0%** |" in table
+    assert "| 0.004 | 0.5 | 0 | 2.2800 | **+2.7%** |" in table and "| 0.004 | 0.5 | 1 |" not in table
 
 
 def test_the_floor_probe_leaves_the_run_as_it_was_and_finds_the_mean_of_adamw_steps_off_sync_dps(monkeypatch):
