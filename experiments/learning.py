@@ -440,7 +440,7 @@ def train(run: Run, shadow_lr: float | None = None) -> dict:
 
 def load(out: Path) -> list[dict]:
     path = out / "results.jsonl"
-    results = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    results = _read_jsonl(path)
     for result in results:
         result.setdefault("schedule", "fixed")  # rows written before schedules existed
         result.setdefault("reducer_feedback", False)
@@ -791,8 +791,7 @@ def run_study(out: Path, phases: list[str], jobs: int) -> None:
             for future in finished:
                 del in_flight[future]
                 result = future.result()
-                with (out / "results.jsonl").open("a") as f:
-                    f.write(json.dumps(result) + "\n")
+                _append_jsonl(out / "results.jsonl", result)
                 print(f"  {result['key']}: loss {result['final_loss']:.4f} in {result['seconds']:.0f} s", flush=True)
 
 
@@ -824,15 +823,24 @@ def run_probes(out: Path, jobs: int) -> None:
         for future in as_completed(futures):
             result = future.result()
             result["stored_final_loss"] = stored.get(result["key"])
-            with path.open("a") as f:
-                f.write(json.dumps(result) + "\n")
+            _append_jsonl(path, result)
             print(f"  {result['key']}: loss {result['final_loss']:.4f} (results.jsonl: {result['stored_final_loss']}) "
                   f"in {result['seconds']:.0f} s", flush=True)
 
 
 def _load_probes(out: Path) -> list[dict]:
-    path = out / "floor_probe.jsonl"
+    return _read_jsonl(out / "floor_probe.jsonl")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    """One dict per non-empty line; none when the file is not there yet."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _append_jsonl(path: Path, row: dict) -> None:
+    """``row`` as one line at the end of ``path``, at once: a run that ends is kept even if the next one fails."""
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 _POINT = ("inner_steps", "compression", "schedule", "reducer_feedback", "inner_lr", "outer_lr", "outer_momentum",
