@@ -82,6 +82,7 @@ ISLAND_POINTS = ((120, "int8", 0.8, 0.6, 3600, (0.5,)), (40, "int8", 0.7, 0.9, 1
 # 1e-3 and 5e-4 at d 256), DiLoCo at the 473x point with the outer optimizer the standard study found there and its
 # inner lr at 1/2 of each sync DP lr (its rule); the smaller width first
 D_MODEL = ModelConfig().d_model
+CLIP = InnerConfig().grad_clip_norm  # the peer's gradient clipping: the global norm clipped to this
 SIZE_POINTS = ((64, (4e-3, 8e-3, 16e-3)), (256, (5e-4, 1e-3, 2e-3, 4e-3)))  # (d_model, sync DP's lr grid)
 SIZE_DILOCO = (120, "int8", 0.8, 0.6)  # (H, codec, outer lr, momentum)
 SIZE_SEEDS = (1,)  # once a width's grid is done: its best sync DP lr and DiLoCo inner lr again at these seeds
@@ -135,21 +136,36 @@ FLOOR_CARRIED = ((10, "int8"),)
 # the same floor with islands of ISLAND_BATCH sequences at the same tokens (ISLAND_STEPS[0] steps), against sync DP
 # tuned at that global batch (phase islands-syncdp): multiples of its best lr. Less noise per island's step, so its
 # optimizer's step was expected nearer to the one a single machine would make of the mean gradient (the probe found
-# the mean of their steps no nearer to sync DP's, and phase floor-short their lower floor to be their fewer steps:
+# the mean of their steps no nearer to sync DP's, and phase floor-length their lower floor to be their fewer steps:
 # docs/learning.md, "The gap's floor")
 FLOOR_ISLAND_FACTORS = (0.5, 1.0)
-# the floor over fewer steps: islands of BATCH sequences for FLOOR_SHORT_STEPS steps (the larger islands' step count,
-# 1/4 of their tokens), so that their lower floor can be told apart from their fewer steps: sync DP at its global batch
-# over FLOOR_SHORT_DP_LRS, DiLoCo at H = 1 (fp32, plain averaging) at FLOOR_SHORT_FACTORS of its best, each grid grown
-# at its edge, then both bests at SEEDS[1:]
-FLOOR_SHORT_STEPS = ISLAND_STEPS[0]
-FLOOR_SHORT_DP_LRS = (2e-3, 4e-3, 8e-3)
-FLOOR_SHORT_FACTORS = (1.0, 2.0)
+# the floor against the run's length: islands of BATCH sequences over FLOOR_LENGTHS steps instead of STEPS (phase
+# floor), the tokens and the lr schedule with them. 1,200 is the larger islands' step count (1/4 of their tokens), so
+# that their lower floor can be told apart from their fewer steps; 2,400 is half way to STEPS. At each length sync DP
+# at its global batch over FLOOR_LENGTH_DP_LRS, DiLoCo at H = 1 (fp32, plain averaging) at FLOOR_LENGTH_FACTORS of its
+# best, each grid grown at its edge; then both bests at SEEDS[1:]
+FLOOR_LENGTHS = (ISLAND_STEPS[0], 2 * ISLAND_STEPS[0])
+FLOOR_LENGTH_DP_LRS = (2e-3, 4e-3, 8e-3)
+FLOOR_LENGTH_FACTORS = (1.0, 2.0)
+# the floor without gradient clipping (--grad-clip-norm 0): an island's gradient on its 2 sequences is clipped to norm
+# 1 on 94-100% of its steps, so each island's step is scaled by its own quarter batch's noise (the probe: "The floor's
+# steps"); unclipped, only AdamW's second moment normalizes it. Sync DP unclipped too, over FLOOR_CLIP_DP_FACTORS of
+# the clipped sync DP's best lr, the gap taken to each and to the better of the two at each seed; DiLoCo at H = 1
+# (fp32, plain averaging) at FLOOR_CLIP_FACTORS of that lr (phase floor's grid); each grid grown at its edge, then both
+# bests at SEEDS[1:]; then FLOOR_CLIP_CARRIED, the 410x point (H, codec, outer lr, momentum, multiple of the clipped
+# sync DP's best lr) with unclipped islands, seed 0
+FLOOR_CLIP_DP_FACTORS = (0.5, 1.0, 2.0)
+FLOOR_CLIP_FACTORS = (1.0, 2.0)
+FLOOR_CLIP_CARRIED = ((32, "int2", 0.8, 0.6, 0.5),)
 # the floor's mechanism (``probe``, _FloorProbe): these floor runs (seed 0) again with sync DP's step measured beside
 # each of theirs, (optimizer, sequences per island, multiple of that sync DP's best lr): each optimizer at its sync
 # DP's lr and at its best floor's (2x; Muon first: the longest), AdamW past it (4x), the larger islands at their best
 FLOOR_PROBES = (("muon", BATCH, 2.0), ("adamw", BATCH, 1.0), ("adamw", BATCH, 2.0), ("adamw", ISLAND_BATCH, 1.0),
                 ("muon", BATCH, 1.0), ("adamw", BATCH, 4.0))
+# and AdamW floor runs of phases floor-clip and floor-length, (steps, clip, multiple of the best lr of the sync DP at
+# the same steps and clip): the unclipped floor at its best (is the mean step short without the clipping?); the
+# shortest length's at its best (1x) and at the 4,800-step floor's best (2x) (why the best lr moves with the length)
+FLOOR_MORE_PROBES = ((STEPS, 0.0, 1.0), (FLOOR_LENGTHS[0], CLIP, 1.0), (FLOOR_LENGTHS[0], CLIP, 2.0))
 
 
 @dataclass(frozen=True)
@@ -173,6 +189,7 @@ class Run:
     d_model: int = D_MODEL  # the built-in model's width (its layers, heads and context stay the default's)
     optimizer: str = "adamw"  # the inner optimizer (sync DP's only one): "adamw", or "muon" for the block matrices
     outer_warmup: int = 0  # outer updates over which the outer lr rises linearly (OuterConfig.warmup_steps)
+    clip: float = CLIP  # the inner steps' gradient norm clip (InnerConfig.grad_clip_norm; 0: none)
 
     def __post_init__(self) -> None:
         if self.optimizer not in INNER_OPTIMIZERS:
@@ -185,6 +202,8 @@ class Run:
             raise ValueError(f"method must be syncdp or diloco, got {self.method!r}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        if self.clip < 0:
+            raise ValueError(f"clip must be >= 0, got {self.clip}")
         if self.steps % self.inner_steps:
             raise ValueError(f"H = {self.inner_steps} does not divide the {self.steps} inner steps")
 
@@ -195,6 +214,7 @@ class Run:
         size += " data=iid" if self.data == "iid" else ""
         size += f" d={self.d_model}" if self.d_model != D_MODEL else ""
         size += f" {self.optimizer}" if self.optimizer != "adamw" else ""
+        size += f" clip={self.clip:g}" if self.clip != CLIP else ""
         if self.method == "syncdp":
             return f"syncdp lr={self.inner_lr:g} seed={self.seed}{size}"
         schedule = "" if self.schedule == "fixed" else f" {self.schedule}"
@@ -258,15 +278,17 @@ def _inner_optimizer(model: torch.nn.Module, run: Run) -> tuple[torch.optim.Opti
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, run.steps))
 
 
-def _step(model: torch.nn.Module, optimizer, schedule, inputs, targets, grads: list | None = None) -> None:
-    """One inner step; ``grads``, when given, gets a copy of the step's gradients before clipping (_FloorProbe)."""
+def _step(model: torch.nn.Module, optimizer, schedule, inputs, targets, grads: list | None = None, clip: float = CLIP) -> None:
+    """One inner step, its gradient's norm clipped to ``clip`` (0: not clipped); ``grads``, when given, gets a copy of
+    the step's gradients before clipping (_FloorProbe)."""
     model.train()
     loss = model(inputs, targets)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if grads is not None:
         grads.append([torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
-    torch.nn.utils.clip_grad_norm_(list(model.parameters()), InnerConfig().grad_clip_norm)
+    if clip:
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
     optimizer.step()
     schedule.step()
 
@@ -297,7 +319,7 @@ class _FloorProbe:
         self.shadow = build_model(config, run.seed)
         self.optimizer, self.schedule = _inner_optimizer(self.shadow, replace(run, inner_lr=shadow_lr))
         self.island_optimizers = [optimizer for optimizer, _ in optimizers]
-        self.clip = InnerConfig().grad_clip_norm
+        self.clip = run.clip  # the shadow clipped as the run's islands are (sync DP at the same setting)
         self.quarter_ends = {len(run.round_ends()) * q // 4 for q in range(1, 5)}
         self.grads: list[list[torch.Tensor]] = []  # the islands' gradients of this step, before clipping
         self.rows: list[dict] = []
@@ -312,7 +334,9 @@ class _FloorProbe:
             param.copy_(value)
             param.grad = torch.stack(grads).mean(0)
         self.grads.clear()
-        shadow_norm = float(torch.nn.utils.clip_grad_norm_(list(self.shadow.parameters()), self.clip))
+        shadow_norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.shadow.parameters()]))
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(list(self.shadow.parameters()), self.clip)
         self.optimizer.step()
         self.schedule.step()
         shadow = [p - v for p, v in zip(self.shadow.parameters(), global_params)]
@@ -323,8 +347,8 @@ class _FloorProbe:
         across2 = sum(float((a + along / length2 * d).pow(2).sum()) for a, d in zip(average, shadow))  # -a minus its part along
         self.rows.append(dict(length=(mean2 / length2) ** 0.5, along=along / length2, across=(across2 / length2) ** 0.5,
                               cosine=along / (mean2 * length2) ** 0.5, island_length=(islands2 / length2) ** 0.5,
-                              island_clipped=sum(n > self.clip for n in island_norms) / len(island_norms),
-                              shadow_clipped=float(shadow_norm > self.clip)))
+                              island_clipped=sum(0 < self.clip < n for n in island_norms) / len(island_norms),
+                              shadow_clipped=float(0 < self.clip < shadow_norm)))
         if len(self.rows) in self.quarter_ends:
             self.divisors.append(self._divisor())
 
@@ -367,7 +391,8 @@ def train(run: Run, shadow_lr: float | None = None) -> dict:
         optimizer, schedule = _inner_optimizer(global_model, run)
         for step in range(run.steps):
             batches = [shard.train.next_batch() for shard in shards]
-            _step(global_model, optimizer, schedule, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+            _step(global_model, optimizer, schedule, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]),
+                  clip=run.clip)
             if (step + 1) % _curve_every(run) == 0:
                 curve.append(((step + 1) * tokens_per_step, _evaluate(global_model, held_out[:4])))
     else:
@@ -386,7 +411,8 @@ def train(run: Run, shadow_lr: float | None = None) -> dict:
             sent = []
             for i, (island, (optimizer, schedule), shard) in enumerate(zip(islands, optimizers, shards)):
                 for _ in range(end - begin):
-                    _step(island, optimizer, schedule, *shard.train.next_batch(), grads=None if probe is None else probe.grads)
+                    _step(island, optimizer, schedule, *shard.train.next_batch(), grads=None if probe is None else probe.grads,
+                          clip=run.clip)
                 outer_grad = [g - p.detach() for g, p in zip(global_params, island.parameters())]
                 if feedback:
                     values, residual = feedback[i].prepare(outer_grad)
@@ -448,14 +474,15 @@ def load(out: Path) -> list[dict]:
         result.setdefault("d_model", D_MODEL)
         result.setdefault("optimizer", "adamw")
         result.setdefault("outer_warmup", 0)
+        result.setdefault("clip", CLIP)
     return results
 
 
 def _standard(result: dict) -> bool:
-    """A run of the study's own size on the peers' shards with AdamW (the one-island checks, the iid runs, other
-    widths and the Muon runs are not)."""
+    """A run of the study's own size on the peers' shards with AdamW, its gradients clipped as a peer clips them (the
+    one-island checks, the iid runs, other widths, the Muon runs and the unclipped ones are not)."""
     return ((result["peers"], result["batch_size"], result["steps"], result["data"], result.get("d_model", D_MODEL),
-             result.get("optimizer", "adamw")) == (PEERS, BATCH, STEPS, "shards", D_MODEL, "adamw"))
+             result.get("optimizer", "adamw"), result.get("clip", CLIP)) == (PEERS, BATCH, STEPS, "shards", D_MODEL, "adamw", CLIP))
 
 
 def _best(results: list[dict], **match) -> dict | None:
@@ -507,8 +534,11 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
         raise ValueError(f"unknown phase {phase!r}")
     if phase == "tune-syncdp":
         return [Run("syncdp", lr) for lr in SYNC_DP_LRS]
-    if phase == "floor-short":  # needs nothing: its own sync DP grid first
-        return _floor_short_plan(results)
+    if phase == "floor-clip":
+        best = _best(results, method="syncdp")
+        return [] if best is None else _floor_clip_plan(best["inner_lr"], results)
+    if phase == "floor-length":  # needs nothing: its own sync DP grids first
+        return _floor_length_plan(results)
     if phase == "sizes":  # needs nothing: its grids are fixed, and the gap is taken to the best sync DP at each width
         h, c, o, m = SIZE_DILOCO
         grids = {d: [*(Run("syncdp", lr, d_model=d) for lr in lrs),
@@ -660,38 +690,78 @@ def _floor_plan(lr: float, results: list[dict]) -> list[Run]:
     return list(dict.fromkeys(runs))
 
 
-def _floor_short(result: dict) -> bool:
-    """A run of phase floor-short (any seed): the study's islands and data for FLOOR_SHORT_STEPS steps; DiLoCo's at
-    H = 1, fp32, plain averaging."""
-    return ((result["peers"], result["batch_size"], result["steps"], result["data"], result["d_model"], result["optimizer"])
-            == (PEERS, BATCH, FLOOR_SHORT_STEPS, "shards", D_MODEL, "adamw")
+def _floor_length(result: dict, steps: int) -> bool:
+    """A run of phase floor-length (any seed) over ``steps``: the study's islands and data; DiLoCo's at H = 1, fp32,
+    plain averaging."""
+    return ((result["peers"], result["batch_size"], result["steps"], result["data"], result["d_model"], result["optimizer"],
+             result.get("clip", CLIP)) == (PEERS, BATCH, steps, "shards", D_MODEL, "adamw", CLIP)
             and (result["method"] == "syncdp" or (result["inner_steps"], result["compression"], result["outer_lr"],
                                                   result["outer_momentum"], result["schedule"]) == (1, "none", 1.0, 0.0, "fixed")))
 
 
-def _floor_short_plan(results: list[dict]) -> list[Run]:
-    """Phase floor-short (FLOOR_SHORT_STEPS): sync DP's lr grid, grown at its edge until it brackets its best; then
-    DiLoCo at H = 1 at FLOOR_SHORT_FACTORS of that best, grown likewise (within INNER_LR_LIMIT); then both bests at
-    SEEDS[1:]."""
+def _floor_length_plan(results: list[dict]) -> list[Run]:
+    """Phase floor-length: at each of FLOOR_LENGTHS, on its own, sync DP's lr grid grown at its edge until it brackets
+    its best; then DiLoCo at H = 1 at FLOOR_LENGTH_FACTORS of that best, grown likewise (within INNER_LR_LIMIT); then
+    both bests at SEEDS[1:]."""
+    done = {r["key"]: r for r in results}
+    runs: list[Run] = []
+    for steps in FLOOR_LENGTHS:
+        bests: list[Run] = []
+        base = None
+        for method in ("syncdp", "diloco"):
+            lrs = FLOOR_LENGTH_DP_LRS if base is None else tuple(base * f for f in FLOOR_LENGTH_FACTORS)
+            tried = {r["inner_lr"] for r in results if _floor_length(r, steps) and r["method"] == method and r["seed"] == 0}
+            grid = [Run(method, lr, steps=steps) for lr in sorted({*lrs, *tried})]
+            runs += grid
+            if not all(run.key in done for run in grid):
+                break
+            best = min(grid, key=lambda run: done[run.key]["final_loss"])
+            limits = (0.0, float("inf")) if base is None else (base / INNER_LR_LIMIT, base * INNER_LR_LIMIT)
+            past = _past_edge([run.inner_lr for run in grid], best.inner_lr, *limits)
+            if past is not None:
+                runs.append(replace(best, inner_lr=past))
+                break
+            bests.append(best)
+            base = best.inner_lr
+        if len(bests) == 2:
+            runs += [replace(best, seed=s) for best in bests for s in SEEDS[1:]]
+    return runs
+
+
+def _floor_clip(result: dict) -> bool:
+    """A run of phase floor-clip (any seed): the study's size, unclipped; sync DP, or DiLoCo at H = 1, fp32, plain
+    averaging, or at a FLOOR_CLIP_CARRIED point."""
+    if not (result.get("clip", CLIP) == 0 and _standard(dict(result, clip=CLIP))):
+        return False
+    outer = (result["inner_steps"], result["compression"], result["outer_lr"], result["outer_momentum"])
+    return result["method"] == "syncdp" or outer == (1, "none", 1.0, 0.0) or outer in {p[:4] for p in FLOOR_CLIP_CARRIED}
+
+
+def _floor_clip_plan(lr: float, results: list[dict]) -> list[Run]:
+    """Phase floor-clip, given the clipped sync DP's best ``lr``: DiLoCo at H = 1 unclipped at FLOOR_CLIP_FACTORS of
+    it and sync DP unclipped at FLOOR_CLIP_DP_FACTORS, each grid grown at its edge; once both are bracketed, both
+    bests at SEEDS[1:]; then FLOOR_CLIP_CARRIED."""
     done = {r["key"]: r for r in results}
     runs: list[Run] = []
     bests: list[Run] = []
-    base = None
-    for method in ("syncdp", "diloco"):
-        lrs = FLOOR_SHORT_DP_LRS if base is None else tuple(base * f for f in FLOOR_SHORT_FACTORS)
-        tried = {r["inner_lr"] for r in results if _floor_short(r) and r["method"] == method and r["seed"] == 0}
-        grid = [Run(method, lr, steps=FLOOR_SHORT_STEPS) for lr in sorted({*lrs, *tried})]
+    for method, factors in (("diloco", FLOOR_CLIP_FACTORS), ("syncdp", FLOOR_CLIP_DP_FACTORS)):
+        tried = {r["inner_lr"] for r in results if _floor_clip(r) and r["method"] == method and r["seed"] == 0
+                 and r["inner_steps"] == 1}
+        grid = [Run(method, x, clip=0.0) for x in sorted({*(lr * f for f in factors), *tried})]
         runs += grid
         if not all(run.key in done for run in grid):
-            return runs
+            continue
         best = min(grid, key=lambda run: done[run.key]["final_loss"])
-        limits = (0.0, float("inf")) if base is None else (base / INNER_LR_LIMIT, base * INNER_LR_LIMIT)
-        past = _past_edge([run.inner_lr for run in grid], best.inner_lr, *limits)
+        past = _past_edge([run.inner_lr for run in grid], best.inner_lr, lr / INNER_LR_LIMIT, lr * INNER_LR_LIMIT)
         if past is not None:
-            return runs + [replace(best, inner_lr=past)]
-        bests.append(best)
-        base = best.inner_lr
-    return runs + [replace(best, seed=s) for best in bests for s in SEEDS[1:]]
+            runs.append(replace(best, inner_lr=past))
+        else:
+            bests.append(best)
+    if len(bests) == 2:
+        runs += [replace(best, seed=s) for best in bests for s in SEEDS[1:]]
+    runs += [Run("diloco", lr * f, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m, reducer_feedback=True,
+                 clip=0.0) for h, c, o, m, f in FLOOR_CLIP_CARRIED]
+    return runs
 
 
 def _muon_runs(results: list[dict], method: str) -> list[dict]:
@@ -747,7 +817,7 @@ def _muon_plan(lr: float, results: list[dict]) -> list[Run]:
 
 
 PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune", "codecs", "seeds", "iid", "checks", "schedule",
-          "islands-syncdp", "islands", "sizes", "low-bit", "muon", "outer-warmup", "floor", "floor-short")
+          "islands-syncdp", "islands", "sizes", "low-bit", "muon", "outer-warmup", "floor", "floor-length", "floor-clip")
 
 
 # what each phase builds on: its runs are planned only once these phases have none left to run
@@ -755,7 +825,7 @@ NEEDS = {"tune-syncdp": (), "outer-grid": ("tune-syncdp",), "inner-lr": ("tune-s
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("codecs", "outer-retune")})
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune") for phase in PHASES[5:9]})  # seeds ...
 NEEDS.update({"islands-syncdp": (), "islands": (), "sizes": (), "low-bit": ("tune-syncdp",), "muon": ("tune-syncdp",),
-              "outer-warmup": ("tune-syncdp",), "floor": ("tune-syncdp",), "floor-short": ()})  # islands plans nothing until sync DP's grid brackets its best
+              "outer-warmup": ("tune-syncdp",), "floor": ("tune-syncdp",), "floor-length": (), "floor-clip": ("tune-syncdp",)})  # islands plans nothing until sync DP's grid brackets its best
 
 
 def _remaining(phase: str, results: list[dict]) -> list[Run]:
@@ -796,14 +866,26 @@ def run_study(out: Path, phases: list[str], jobs: int) -> None:
 
 
 def probe_runs(results: list[dict]) -> list[tuple[Run, float]]:
-    """FLOOR_PROBES' runs, each with the lr of the sync DP it is compared with (its optimizer's, at its batch), those
-    whose sync DP is tuned."""
+    """FLOOR_PROBES' and FLOOR_MORE_PROBES' runs, each with the lr of the sync DP it is compared with (its optimizer's,
+    at its batch, steps and clip), those whose sync DP is tuned."""
     best = _best(results, method="syncdp")
     base = {("adamw", BATCH): best and best["inner_lr"], ("muon", BATCH): _muon_dp(results),
             ("adamw", ISLAND_BATCH): _island_syncdp(results)}
-    return [(Run("diloco", base[opt, batch] * f, batch_size=batch, optimizer=opt,
+    runs = [(Run("diloco", base[opt, batch] * f, batch_size=batch, optimizer=opt,
                  steps=STEPS if batch == BATCH else ISLAND_STEPS[0]), base[opt, batch])
             for opt, batch, f in FLOOR_PROBES if base[opt, batch] is not None]
+    for steps, clip, f in FLOOR_MORE_PROBES:
+        lr = _tuned_lr([r for r in results if (_floor_clip(r) if clip == 0 else _floor_length(r, steps)) and r["steps"] == steps])
+        if lr is not None:
+            runs.append((Run("diloco", lr * f, steps=steps, clip=clip), lr))
+    return runs
+
+
+def _tuned_lr(runs: list[dict]) -> float | None:
+    """The best lr of these runs' sync DP grid at seed 0, once the grid brackets it."""
+    grid = {r["inner_lr"]: r["final_loss"] for r in runs if r["method"] == "syncdp" and r["seed"] == 0}
+    best = min(grid, key=grid.get) if grid else None
+    return best if grid and min(grid) < best < max(grid) else None
 
 
 def run_probes(out: Path, jobs: int) -> None:
@@ -1040,7 +1122,8 @@ def report(out: Path) -> str:
                 lines.append(f"| {p['inner_steps']} | {p['compression']} | Muon islands, {method_name(p, None)} "
                              f"| {p['outer_steps']} | {p['fewer_bytes_than_syncdp']:,.0f}× | {p['seeds']} | {p['loss_mean']:.4f} "
                              f"| {_gap(p, 'gap_adamw')} | **{_gap(p, 'gap')}** |")
-    lines += _floor_short_table(load(out))
+    lines += _floor_length_table(load(out))
+    lines += _floor_clip_table(load(out))
     lines += _probe_table(_load_probes(out))
     table = "\n".join(lines) + "\n"
     (out / "study.md").write_text(table)
@@ -1048,22 +1131,59 @@ def report(out: Path) -> str:
     return table
 
 
-def _floor_short_table(results: list[dict]) -> list[str]:
-    """Phase floor-short: sync DP's grid (seed 0), and each DiLoCo run's gap to sync DP's best lr at the same seed."""
-    runs = [r for r in results if _floor_short(r)]
-    grid = {r["inner_lr"]: r["final_loss"] for r in runs if r["method"] == "syncdp" and r["seed"] == 0}
-    if not grid:
+def _floor_length_table(results: list[dict]) -> list[str]:
+    """Phase floor-length, one table per length: sync DP's grid (seed 0), and each DiLoCo run's gap to sync DP's best
+    lr at the same seed."""
+    lines = []
+    for steps in sorted(FLOOR_LENGTHS):
+        runs = [r for r in results if _floor_length(r, steps)]
+        grid = {r["inner_lr"]: r["final_loss"] for r in runs if r["method"] == "syncdp" and r["seed"] == 0}
+        if not grid:
+            continue
+        best_lr = min(grid, key=grid.get)
+        dp = {r["seed"]: r["final_loss"] for r in runs if r["method"] == "syncdp" and r["inner_lr"] == best_lr}
+        lines += ["", f"The floor over {steps} steps (phase floor-length: islands of {BATCH} sequences, {steps / STEPS:g} "
+                  "of the study's tokens; H = 1, fp32, plain averaging). Sync DP, lr grid at seed 0: "
+                  + ", ".join(f"{lr:g} → {loss:.4f}" for lr, loss in sorted(grid.items()))
+                  + f"; its best ({best_lr:g}) per seed: " + ", ".join(f"{loss:.4f}" for _, loss in sorted(dp.items())), "",
+                  "| DiLoCo inner lr | × sync DP's | seed | loss | gap |", "|---|---|---|---|---|"]
+        for r in sorted((r for r in runs if r["method"] == "diloco" and r["seed"] in dp), key=lambda r: (r["inner_lr"], r["seed"])):
+            lines.append(f"| {r['inner_lr']:g} | {r['inner_lr'] / best_lr:g} | {r['seed']} | {r['final_loss']:.4f} "
+                         f"| **{100 * (r['final_loss'] / dp[r['seed']] - 1):+.1f}%** |")
+    return lines
+
+
+def _floor_clip_table(results: list[dict]) -> list[str]:
+    """Phase floor-clip: unclipped sync DP's grid (seed 0); each unclipped DiLoCo run beside the same run clipped, its
+    gap to unclipped sync DP's best lr, to the clipped sync DP's and to the better of the two, at its seed."""
+    clipped = _best(results, method="syncdp")
+    runs = [r for r in results if _floor_clip(r)]
+    if clipped is None or not runs:
         return []
-    best_lr = min(grid, key=grid.get)
-    dp = {r["seed"]: r["final_loss"] for r in runs if r["method"] == "syncdp" and r["inner_lr"] == best_lr}
-    lines = ["", f"The floor over {FLOOR_SHORT_STEPS} steps (phase floor-short: islands of {BATCH} sequences, 1/4 of the "
-             "study's tokens, the larger islands' step count; H = 1, fp32, plain averaging). Sync DP, lr grid at seed 0: "
-             + ", ".join(f"{lr:g} → {loss:.4f}" for lr, loss in sorted(grid.items()))
-             + f"; its best ({best_lr:g}) per seed: " + ", ".join(f"{loss:.4f}" for _, loss in sorted(dp.items())), "",
-             "| DiLoCo inner lr | × sync DP's | seed | loss | gap |", "|---|---|---|---|---|"]
-    for r in sorted((r for r in runs if r["method"] == "diloco" and r["seed"] in dp), key=lambda r: (r["inner_lr"], r["seed"])):
-        lines.append(f"| {r['inner_lr']:g} | {r['inner_lr'] / best_lr:g} | {r['seed']} | {r['final_loss']:.4f} "
-                     f"| **{100 * (r['final_loss'] / dp[r['seed']] - 1):+.1f}%** |")
+    grid = {r["inner_lr"]: r["final_loss"] for r in runs if r["method"] == "syncdp" and r["seed"] == 0}
+    best_lr = min(grid, key=grid.get) if grid else None
+    dp = {r["seed"]: r["final_loss"] for r in results if _standard(r) and r["method"] == "syncdp" and r["inner_lr"] == clipped["inner_lr"]}
+    unclipped = {r["seed"]: r["final_loss"] for r in runs if r["method"] == "syncdp" and r["inner_lr"] == best_lr}
+    loss = {r["key"]: r["final_loss"] for r in results}
+
+    def gap(x: float, base: float | None) -> str:
+        return "–" if base is None else f"{100 * (x / base - 1):+.1f}%"
+
+    lines = ["", "Unclipped (phase floor-clip: every inner step's gradient as it is, --grad-clip-norm 0). Sync DP "
+             "unclipped, lr grid at seed 0: " + (", ".join(f"{lr:g} → {x:.4f}" for lr, x in sorted(grid.items())) or "none yet")
+             + (f"; its best ({best_lr:g}) per seed: " + ", ".join(f"{x:.4f}" for _, x in sorted(unclipped.items())) if grid else "")
+             + f"; clipped, its best ({clipped['inner_lr']:g}) per seed: " + ", ".join(f"{x:.4f}" for _, x in sorted(dp.items())), "",
+             "| DiLoCo, unclipped | inner lr (× sync DP's) | seed | loss | the same run clipped | gap to unclipped sync DP "
+             "| gap to clipped sync DP | gap to the better |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in runs if r["method"] == "diloco" and r["seed"] in dp),
+                    key=lambda r: (r["inner_steps"], r["inner_lr"], r["seed"])):
+        same = loss.get(Run(**{k: r[k] for k in Run.__dataclass_fields__ if k != "clip"}).key)
+        setting = ("H = 1, fp32, plain averaging" if r["inner_steps"] == 1 else
+                   f"H = {r['inner_steps']}, {r['compression']}, Nesterov {r['outer_lr']:g} / {r['outer_momentum']:g}")
+        better = min(dp[r["seed"]], unclipped.get(r["seed"], dp[r["seed"]]))
+        lines.append(f"| {setting} | {r['inner_lr']:g} ({r['inner_lr'] / clipped['inner_lr']:g}) | {r['seed']} "
+                     f"| {r['final_loss']:.4f} | {'–' if same is None else f'{same:.4f}'} | {gap(r['final_loss'], unclipped.get(r['seed']))} "
+                     f"| {gap(r['final_loss'], dp[r['seed']])} | **{gap(r['final_loss'], better)}** |")
     return lines
 
 
@@ -1078,9 +1198,10 @@ def _probe_table(probes: list[dict]) -> list[str]:
              "(median over the coordinates) at the quarter's end", "",
              "| run | quarter | mean step | along | across | cosine | one island's step | clipped | divisor | loss (results.jsonl) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(probes, key=lambda r: (r["batch_size"], r["optimizer"], r["inner_lr"])):
+    for r in sorted(probes, key=lambda r: (r["batch_size"], r["optimizer"], r["steps"], -r.get("clip", CLIP), r["inner_lr"])):
         name = (f"{'Muon' if r['optimizer'] == 'muon' else 'AdamW'}, {r['batch_size']} sequences, inner lr {r['inner_lr']:g} "
-                f"({r['inner_lr'] / r['shadow_lr']:g}× sync DP's)")
+                f"({r['inner_lr'] / r['shadow_lr']:g}× sync DP's)" + (f", {r['steps']} steps" if r["steps"] != STEPS else "")
+                + (", unclipped (sync DP too)" if r.get("clip", CLIP) == 0 else ""))
         for q, row in enumerate(r["floor_probe"]["quarters"], 1):
             divisor = "–" if row["divisor"] is None else f"{row['divisor']:.3f}"
             stored = "–" if r["stored_final_loss"] is None else f"{r['stored_final_loss']:.4f}"

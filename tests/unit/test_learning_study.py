@@ -4,20 +4,25 @@ accounting, the phases' plan, resuming, the report, bad input."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
 from experiments.learning import (
+    CLIP,
     FLOOR_CARRIED,
+    FLOOR_CLIP_CARRIED,
+    FLOOR_CLIP_DP_FACTORS,
+    FLOOR_CLIP_FACTORS,
     FLOOR_ISLAND_FACTORS,
+    FLOOR_LENGTH_DP_LRS,
+    FLOOR_LENGTH_FACTORS,
+    FLOOR_LENGTHS,
+    FLOOR_MORE_PROBES,
     FLOOR_NESTEROV,
     FLOOR_POINTS,
     FLOOR_PROBES,
-    FLOOR_SHORT_DP_LRS,
-    FLOOR_SHORT_FACTORS,
-    FLOOR_SHORT_STEPS,
     IID_INNER_LR_FACTORS,
     ISLAND_BATCH,
     ISLAND_STEPS,
@@ -35,6 +40,7 @@ from experiments.learning import (
     SPARSE_H,
     STEPS,
     Run,
+    _standard,
     curves,
     load,
     lr_factor,
@@ -49,7 +55,6 @@ from experiments.learning import (
     train,
 )
 from p2p_diloco.core.compression import make_codec
-from p2p_diloco.core.config import InnerConfig
 
 
 def tiny(method: str, **kwargs) -> Run:
@@ -381,31 +386,45 @@ def test_the_floor_averages_every_step_in_fp32_grows_its_lr_grids_at_their_edge_
     assert abs(floor["final_loss"] - sync["final_loss"]) > 1e-4
 
 
-def test_the_short_floor_tunes_its_own_sync_dp_then_diloco_at_h_1_from_its_best_then_seeds_both(tmp_path):
-    short = dict(steps=FLOOR_SHORT_STEPS)
-    assert [(r.method, r.inner_lr, r.steps) for r in plan("floor-short", [])] == [
-        ("syncdp", lr, FLOOR_SHORT_STEPS) for lr in FLOOR_SHORT_DP_LRS]
-    # sync DP's best at the top of its grid: one doubling, nothing of DiLoCo's yet
-    done = [_result("syncdp", lr, 2.3 - 10 * lr, **short) for lr in FLOOR_SHORT_DP_LRS]
-    done.append(_result("diloco", 4e-3, 2.0))  # the standard floor's run: not this phase's
-    keys = {r["key"] for r in done}
-    assert [(r.method, r.inner_lr) for r in plan("floor-short", done) if r.key not in keys] == [("syncdp", 16e-3)]
-    done.append(_result("syncdp", 16e-3, 2.3, **short))  # bracketed at 8e-3: DiLoCo at its multiples
-    runs = [r for r in plan("floor-short", done) if r.key not in {r["key"] for r in done}]
-    assert [(r.method, r.inner_lr, r.inner_steps, r.compression, r.outer_lr, r.outer_momentum, r.steps) for r in runs] == [
-        ("diloco", 8e-3 * f, 1, "none", 1.0, 0.0, FLOOR_SHORT_STEPS) for f in FLOOR_SHORT_FACTORS]
-    done += [_result("diloco", 8e-3, 2.25, **short), _result("diloco", 16e-3, 2.3, **short)]
-    assert [(r.method, r.inner_lr) for r in plan("floor-short", done) if r.key not in {r["key"] for r in done}] == [
-        ("diloco", 4e-3)]  # its best at the bottom edge: halved
-    done.append(_result("diloco", 4e-3, 2.28, **short))
-    seeds = [(r.method, r.inner_lr, r.seed) for r in plan("floor-short", done) if r.key not in {r["key"] for r in done}]
-    assert seeds == [("syncdp", 8e-3, s) for s in SEEDS[1:]] + [("diloco", 8e-3, s) for s in SEEDS[1:]]
+def test_the_floor_at_each_length_tunes_its_own_sync_dp_then_diloco_at_h_1_from_its_best_then_seeds_both(tmp_path):
+    # every length's sync DP grid at once: one length's grids do not wait for another's
+    assert [(r.method, r.inner_lr, r.steps) for r in plan("floor-length", [])] == [
+        ("syncdp", lr, steps) for steps in FLOOR_LENGTHS for lr in FLOOR_LENGTH_DP_LRS]
+    assert STEPS not in FLOOR_LENGTHS  # STEPS is phase floor's
+
+    def todo(done, steps):
+        keys = {r["key"] for r in done}
+        return [r for r in plan("floor-length", done) if r.key not in keys and r.steps == steps]
+
+    for steps in FLOOR_LENGTHS:
+        short = dict(steps=steps)
+        # sync DP's best at the top of its grid: one doubling, nothing of DiLoCo's yet
+        done = [_result("syncdp", lr, 2.3 - 10 * lr, **short) for lr in FLOOR_LENGTH_DP_LRS]
+        done.append(_result("diloco", 4e-3, 2.0))  # the standard floor's run: not this phase's
+        assert [(r.method, r.inner_lr) for r in todo(done, steps)] == [("syncdp", 16e-3)]
+        done.append(_result("syncdp", 16e-3, 2.3, **short))  # bracketed at 8e-3: DiLoCo at its multiples
+        assert [(r.method, r.inner_lr, r.inner_steps, r.compression, r.outer_lr, r.outer_momentum, r.steps)
+                for r in todo(done, steps)] == [("diloco", 8e-3 * f, 1, "none", 1.0, 0.0, steps) for f in FLOOR_LENGTH_FACTORS]
+        done += [_result("diloco", 8e-3, 2.25, **short), _result("diloco", 16e-3, 2.3, **short)]
+        assert [(r.method, r.inner_lr) for r in todo(done, steps)] == [("diloco", 4e-3)]  # its best at the bottom edge: halved
+        done.append(_result("diloco", 4e-3, 2.28, **short))
+        seeds = [(r.method, r.inner_lr, r.seed) for r in todo(done, steps)]
+        assert seeds == [("syncdp", 8e-3, s) for s in SEEDS[1:]] + [("diloco", 8e-3, s) for s in SEEDS[1:]]
+        # the other lengths still plan their own sync DP grids from the start
+        assert [(r.method, r.steps) for r in plan("floor-length", done) if r.steps != steps and r.key not in {d["key"] for d in done}] == [
+            ("syncdp", other) for other in FLOOR_LENGTHS if other != steps for _ in FLOOR_LENGTH_DP_LRS]
+    short = dict(steps=FLOOR_LENGTHS[0])
+    done = [_result("syncdp", lr, 2.3 - 10 * lr, **short) for lr in (*FLOOR_LENGTH_DP_LRS, 16e-3)]
+    done[-1] = _result("syncdp", 16e-3, 2.3, **short)
+    done += [_result("diloco", 8e-3, 2.25, **short), _result("diloco", 16e-3, 2.3, **short), _result("diloco", 4e-3, 2.28, **short)]
     done += [_result("syncdp", 4e-3, 2.0), _result("syncdp", 8e-3, 2.2, seed=1, **short), _result("diloco", 8e-3, 2.31, seed=1, **short)]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in done))
     table = report(tmp_path)
     # each DiLoCo run against sync DP's best lr at its own seed: 2.25 / 2.22 at seed 0, 2.31 / 2.2 at seed 1
+    assert f"The floor over {FLOOR_LENGTHS[0]} steps" in table
     assert "| 0.008 | 1 | 0 | 2.2500 | **+1.4%** |" in table and "| 0.008 | 1 | 1 | 2.3100 | **+5.0%** |" in table
     assert "| 0.004 | 0.5 | 0 | 2.2800 | **+2.7%** |" in table and "| 0.004 | 0.5 | 1 |" not in table
+    assert all(f"The floor over {steps} steps" not in table for steps in FLOOR_LENGTHS[1:])
 
 
 def test_the_floor_probe_leaves_the_run_as_it_was_and_finds_the_mean_of_adamw_steps_off_sync_dps(monkeypatch):
@@ -420,8 +439,7 @@ def test_the_floor_probe_leaves_the_run_as_it_was_and_finds_the_mean_of_adamw_st
     # the control: an optimizer linear in the gradient (SGD, no clipping) makes the mean of the islands' steps sync DP's
     monkeypatch.setattr("experiments.learning.build_inner_optimizer",
                         lambda kind, model, lr, wd: torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd))
-    monkeypatch.setattr("experiments.learning.InnerConfig", lambda: InnerConfig(grad_clip_norm=1e9))
-    linear = train(run, shadow_lr=run.inner_lr)["floor_probe"]["quarters"]
+    linear = train(replace(run, clip=0.0), shadow_lr=run.inner_lr)["floor_probe"]["quarters"]
     assert all(q["length"] == pytest.approx(1.0, abs=1e-3) and q["cosine"] > 0.9999 and q["across"] < 0.01
                and q["divisor"] is None and q["island_clipped"] == 0.0 for q in linear)
     with pytest.raises(ValueError, match="H = 1"):
@@ -437,6 +455,16 @@ def test_the_probe_runs_the_tuned_floor_runs_once_each_and_reports_them(tmp_path
     assert [(r.optimizer, r.batch_size, r.inner_lr, lr) for r, lr in runs] == [
         ("adamw", 2, 4e-3 * f, 4e-3) for opt, batch, f in FLOOR_PROBES if (opt, batch) == ("adamw", 2)]
     assert all((r.inner_steps, r.compression, r.outer_lr, r.outer_momentum, r.seed) == (1, "none", 1.0, 0.0, 0) for r, _ in runs)
+    # the unclipped floor and the shorter floor, against the sync DP of their own clip and length, once it is bracketed
+    clip0 = [_result("syncdp", lr, loss, clip=0.0) for lr, loss in ((1e-3, 2.2), (2e-3, 2.1))]
+    short = [_result("syncdp", lr, loss, steps=FLOOR_LENGTHS[0]) for lr, loss in ((4e-3, 2.4), (8e-3, 2.3), (16e-3, 2.5))]
+    more = [(r.steps, r.clip, r.inner_lr, lr) for r, lr in probe_runs(load(tmp_path) + clip0 + short)[len(runs):]]
+    # the unclipped grid's best at its edge (2e-3): not yet
+    assert more == [(steps, clip, 8e-3 * f, 8e-3) for steps, clip, f in FLOOR_MORE_PROBES if clip]
+    clip0.append(_result("syncdp", 4e-3, 2.15, clip=0.0))
+    more = [(r.steps, r.clip, r.inner_lr, lr) for r, lr in probe_runs(load(tmp_path) + clip0 + short)[len(runs):]]
+    assert more == [(steps, clip, (8e-3 if clip else 2e-3) * f, 8e-3 if clip else 2e-3) for steps, clip, f in FLOOR_MORE_PROBES]
+    assert any(clip == 0 and steps == STEPS for steps, clip, _ in FLOOR_MORE_PROBES)
     ran = []
 
     def fake_train(run, shadow_lr):
@@ -568,3 +596,44 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "results.jsonl").write_text("{not json\n")
     assert main(["report", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_clip_0_trains_unclipped_on_both_sides_and_keeps_the_run_out_of_the_study_s_curves():
+    for method, extra in (("syncdp", {}), ("diloco", dict(peers=2, inner_steps=1))):
+        unclipped, huge, clipped = (train(tiny(method, clip=c, **extra)) for c in (0.0, 1e9, CLIP))
+        assert unclipped["final_loss"] == huge["final_loss"]  # a clip that never acts is no clip at all
+        assert unclipped["final_loss"] != clipped["final_loss"]  # the default clips these steps
+        assert unclipped["key"].endswith(" clip=0") and "clip" not in clipped["key"]
+    assert not _standard(_result("syncdp", 4e-3, 1.0, clip=0.0)) and _standard(_result("syncdp", 4e-3, 1.0))
+    with pytest.raises(ValueError, match="clip"):
+        Run("syncdp", 1e-3, clip=-1.0)
+
+
+def test_the_unclipped_floor_tunes_both_grids_then_seeds_its_best_and_carries_to_the_410x_point(tmp_path):
+    assert plan("floor-clip", []) == []  # it builds on the clipped sync DP's best lr
+    done = [_result("syncdp", lr, 2.0 + abs(lr - 4e-3)) for lr in (2e-3, 4e-3, 8e-3)]  # clipped: best 4e-3, 2.0
+    keys = {r["key"] for r in done}
+    first = [(r.method, r.inner_lr, r.inner_steps, r.clip) for r in plan("floor-clip", done) if r.key not in keys]
+    h, codec, o, m, f = FLOOR_CLIP_CARRIED[0]
+    assert first == [*(("diloco", 4e-3 * x, 1, 0.0) for x in FLOOR_CLIP_FACTORS),
+                     *(("syncdp", 4e-3 * x, 1, 0.0) for x in FLOOR_CLIP_DP_FACTORS), ("diloco", 4e-3 * f, h, 0.0)]
+    carried = [r for r in plan("floor-clip", done) if r.inner_steps == h][0]
+    assert (carried.compression, carried.outer_lr, carried.outer_momentum, carried.reducer_feedback) == (codec, o, m, True)
+    # DiLoCo's best at its grid's top: doubled; unclipped sync DP bracketed at 4e-3 and worse than the clipped one
+    done += [_result("diloco", 4e-3, 2.10, clip=0.0), _result("diloco", 8e-3, 2.05, clip=0.0)]
+    done += [_result("syncdp", lr, 2.01 + abs(lr - 4e-3), clip=0.0) for lr in (2e-3, 4e-3, 8e-3)]
+    keys = {r["key"] for r in done}
+    assert [(r.method, r.inner_lr) for r in plan("floor-clip", done) if r.key not in keys and r.inner_steps == 1] == [
+        ("diloco", 16e-3)]
+    done.append(_result("diloco", 16e-3, 2.2, clip=0.0))
+    keys = {r["key"] for r in done}
+    # both bests at the other seeds: the unclipped pair is compared like for like, and each with the clipped sync DP
+    assert [(r.method, r.inner_lr, r.seed) for r in plan("floor-clip", done) if r.key not in keys and r.inner_steps == 1] == [
+        *(("diloco", 8e-3, s) for s in SEEDS[1:]), *(("syncdp", 4e-3, s) for s in SEEDS[1:])]
+    done += [_result("diloco", 8e-3, 2.02, seed=1, clip=0.0), _result("syncdp", 4e-3, 2.1, seed=1),
+             _result("diloco", 8e-3, 2.03)]  # the same floor run clipped, beside
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in done))
+    table = report(tmp_path)
+    # unclipped sync DP's best 2.01 at seed 0 (none at seed 1), the clipped one's 2.0 and 2.1
+    assert "| H = 1, fp32, plain averaging | 0.008 (2) | 0 | 2.0500 | 2.0300 | +2.0% | +2.5% | **+2.5%** |" in table
+    assert "| H = 1, fp32, plain averaging | 0.008 (2) | 1 | 2.0200 | – | – | -3.8% | **-3.8%** |" in table
