@@ -157,6 +157,9 @@ FLOOR_LENGTH_FACTORS = (1.0, 2.0)
 FLOOR_CLIP_DP_FACTORS = (0.5, 1.0, 2.0)
 FLOOR_CLIP_FACTORS = (1.0, 2.0)
 FLOOR_CLIP_CARRIED = ((32, "int2", 0.8, 0.6, 0.5),)
+# and islands clipped at a higher norm against the clipped sync DP: sqrt(PEERS) x its clip, the ratio of the noise in
+# a quarter batch's gradient to the whole batch's, so that an island's clipping acts about as often as sync DP's
+FLOOR_CLIP_ISLAND_NORMS = (CLIP * PEERS ** 0.5,)
 # the floor's mechanism (``probe``, _FloorProbe): these floor runs (seed 0) again with sync DP's step measured beside
 # each of theirs, (optimizer, sequences per island, multiple of that sync DP's best lr): each optimizer at its sync
 # DP's lr and at its best floor's (2x; Muon first: the longest), AdamW past it (4x), the larger islands at their best
@@ -729,9 +732,11 @@ def _floor_length_plan(results: list[dict]) -> list[Run]:
 
 
 def _floor_clip(result: dict) -> bool:
-    """A run of phase floor-clip (any seed): the study's size, unclipped; sync DP, or DiLoCo at H = 1, fp32, plain
-    averaging, or at a FLOOR_CLIP_CARRIED point."""
-    if not (result.get("clip", CLIP) == 0 and _standard(dict(result, clip=CLIP))):
+    """A run of phase floor-clip (any seed): the study's size, unclipped or DiLoCo's islands clipped at one of
+    FLOOR_CLIP_ISLAND_NORMS; sync DP, or DiLoCo at H = 1, fp32, plain averaging, or at a FLOOR_CLIP_CARRIED point."""
+    clip = result.get("clip", CLIP)
+    if not ((clip == 0 or (clip in FLOOR_CLIP_ISLAND_NORMS and result["method"] == "diloco"))
+            and _standard(dict(result, clip=CLIP))):
         return False
     outer = (result["inner_steps"], result["compression"], result["outer_lr"], result["outer_momentum"])
     return result["method"] == "syncdp" or outer == (1, "none", 1.0, 0.0) or outer in {p[:4] for p in FLOOR_CLIP_CARRIED}
@@ -740,14 +745,16 @@ def _floor_clip(result: dict) -> bool:
 def _floor_clip_plan(lr: float, results: list[dict]) -> list[Run]:
     """Phase floor-clip, given the clipped sync DP's best ``lr``: DiLoCo at H = 1 unclipped at FLOOR_CLIP_FACTORS of
     it and sync DP unclipped at FLOOR_CLIP_DP_FACTORS, each grid grown at its edge; once both are bracketed, both
-    bests at SEEDS[1:]; then FLOOR_CLIP_CARRIED."""
+    bests at SEEDS[1:], then FLOOR_CLIP_CARRIED; and DiLoCo at H = 1 with its islands clipped at each of
+    FLOOR_CLIP_ISLAND_NORMS, at FLOOR_CLIP_FACTORS grown at the edge, then its best at SEEDS[1:]."""
     done = {r["key"]: r for r in results}
     runs: list[Run] = []
     bests: list[Run] = []
-    for method, factors in (("diloco", FLOOR_CLIP_FACTORS), ("syncdp", FLOOR_CLIP_DP_FACTORS)):
+    for method, factors, clip in (("diloco", FLOOR_CLIP_FACTORS, 0.0), ("syncdp", FLOOR_CLIP_DP_FACTORS, 0.0),
+                                  *(("diloco", FLOOR_CLIP_FACTORS, norm) for norm in FLOOR_CLIP_ISLAND_NORMS)):
         tried = {r["inner_lr"] for r in results if _floor_clip(r) and r["method"] == method and r["seed"] == 0
-                 and r["inner_steps"] == 1}
-        grid = [Run(method, x, clip=0.0) for x in sorted({*(lr * f for f in factors), *tried})]
+                 and r["inner_steps"] == 1 and r["clip"] == clip}
+        grid = [Run(method, x, clip=clip) for x in sorted({*(lr * f for f in factors), *tried})]
         runs += grid
         if not all(run.key in done for run in grid):
             continue
@@ -757,10 +764,12 @@ def _floor_clip_plan(lr: float, results: list[dict]) -> list[Run]:
             runs.append(replace(best, inner_lr=past))
         else:
             bests.append(best)
-    if len(bests) == 2:
-        runs += [replace(best, seed=s) for best in bests for s in SEEDS[1:]]
-    runs += [Run("diloco", lr * f, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m, reducer_feedback=True,
-                 clip=0.0) for h, c, o, m, f in FLOOR_CLIP_CARRIED]
+        if len(bests) == 2 and not clip:
+            runs += [replace(best, seed=s) for best in bests for s in SEEDS[1:]]
+            runs += [Run("diloco", lr * f, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m, reducer_feedback=True,
+                         clip=0.0) for h, c, o, m, f in FLOOR_CLIP_CARRIED]
+        elif clip and past is None:
+            runs += [replace(best, seed=s) for s in SEEDS[1:]]
     return runs
 
 
@@ -1169,20 +1178,22 @@ def _floor_clip_table(results: list[dict]) -> list[str]:
     def gap(x: float, base: float | None) -> str:
         return "–" if base is None else f"{100 * (x / base - 1):+.1f}%"
 
-    lines = ["", "Unclipped (phase floor-clip: every inner step's gradient as it is, --grad-clip-norm 0). Sync DP "
+    lines = ["", "Unclipped (phase floor-clip: every inner step's gradient as it is, --grad-clip-norm 0; and islands "
+             "clipped at a higher norm). Sync DP "
              "unclipped, lr grid at seed 0: " + (", ".join(f"{lr:g} → {x:.4f}" for lr, x in sorted(grid.items())) or "none yet")
              + (f"; its best ({best_lr:g}) per seed: " + ", ".join(f"{x:.4f}" for _, x in sorted(unclipped.items())) if grid else "")
              + f"; clipped, its best ({clipped['inner_lr']:g}) per seed: " + ", ".join(f"{x:.4f}" for _, x in sorted(dp.items())), "",
-             "| DiLoCo, unclipped | inner lr (× sync DP's) | seed | loss | the same run clipped | gap to unclipped sync DP "
+             "| DiLoCo | inner lr (× sync DP's) | seed | loss | the same run clipped at 1 | gap to unclipped sync DP "
              "| gap to clipped sync DP | gap to the better |", "|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in runs if r["method"] == "diloco" and r["seed"] in dp),
-                    key=lambda r: (r["inner_steps"], r["inner_lr"], r["seed"])):
+                    key=lambda r: (r["inner_steps"], r["clip"], r["inner_lr"], r["seed"])):
         same = loss.get(Run(**{k: r[k] for k in Run.__dataclass_fields__ if k != "clip"}).key)
         setting = ("H = 1, fp32, plain averaging" if r["inner_steps"] == 1 else
                    f"H = {r['inner_steps']}, {r['compression']}, Nesterov {r['outer_lr']:g} / {r['outer_momentum']:g}")
+        setting += f", islands clipped at {r['clip']:g}" if r["clip"] else ", unclipped"
         better = min(dp[r["seed"]], unclipped.get(r["seed"], dp[r["seed"]]))
         lines.append(f"| {setting} | {r['inner_lr']:g} ({r['inner_lr'] / clipped['inner_lr']:g}) | {r['seed']} "
-                     f"| {r['final_loss']:.4f} | {'–' if same is None else f'{same:.4f}'} | {gap(r['final_loss'], unclipped.get(r['seed']))} "
+                     f"| {r['final_loss']:.4f} | {'–' if same is None else f'{same:.4f}'} | {gap(r['final_loss'], None if r['clip'] else unclipped.get(r['seed']))} "
                      f"| {gap(r['final_loss'], dp[r['seed']])} | **{gap(r['final_loss'], better)}** |")
     return lines
 

@@ -15,6 +15,7 @@ from experiments.learning import (
     FLOOR_CLIP_CARRIED,
     FLOOR_CLIP_DP_FACTORS,
     FLOOR_CLIP_FACTORS,
+    FLOOR_CLIP_ISLAND_NORMS,
     FLOOR_ISLAND_FACTORS,
     FLOOR_LENGTH_DP_LRS,
     FLOOR_LENGTH_FACTORS,
@@ -614,26 +615,39 @@ def test_the_unclipped_floor_tunes_both_grids_then_seeds_its_best_and_carries_to
     done = [_result("syncdp", lr, 2.0 + abs(lr - 4e-3)) for lr in (2e-3, 4e-3, 8e-3)]  # clipped: best 4e-3, 2.0
     keys = {r["key"] for r in done}
     first = [(r.method, r.inner_lr, r.inner_steps, r.clip) for r in plan("floor-clip", done) if r.key not in keys]
-    h, codec, o, m, f = FLOOR_CLIP_CARRIED[0]
+    (norm,) = FLOOR_CLIP_ISLAND_NORMS
+    assert norm == 2 * CLIP  # sqrt(4 islands) x sync DP's clip
     assert first == [*(("diloco", 4e-3 * x, 1, 0.0) for x in FLOOR_CLIP_FACTORS),
-                     *(("syncdp", 4e-3 * x, 1, 0.0) for x in FLOOR_CLIP_DP_FACTORS), ("diloco", 4e-3 * f, h, 0.0)]
-    carried = [r for r in plan("floor-clip", done) if r.inner_steps == h][0]
-    assert (carried.compression, carried.outer_lr, carried.outer_momentum, carried.reducer_feedback) == (codec, o, m, True)
+                     *(("syncdp", 4e-3 * x, 1, 0.0) for x in FLOOR_CLIP_DP_FACTORS),
+                     *(("diloco", 4e-3 * x, 1, norm) for x in FLOOR_CLIP_FACTORS)]
     # DiLoCo's best at its grid's top: doubled; unclipped sync DP bracketed at 4e-3 and worse than the clipped one
     done += [_result("diloco", 4e-3, 2.10, clip=0.0), _result("diloco", 8e-3, 2.05, clip=0.0)]
     done += [_result("syncdp", lr, 2.01 + abs(lr - 4e-3), clip=0.0) for lr in (2e-3, 4e-3, 8e-3)]
     keys = {r["key"] for r in done}
-    assert [(r.method, r.inner_lr) for r in plan("floor-clip", done) if r.key not in keys and r.inner_steps == 1] == [
-        ("diloco", 16e-3)]
+    assert [(r.method, r.inner_lr, r.clip) for r in plan("floor-clip", done) if r.key not in keys] == [
+        ("diloco", 16e-3, 0.0), *(("diloco", 4e-3 * x, norm) for x in FLOOR_CLIP_FACTORS)]
     done.append(_result("diloco", 16e-3, 2.2, clip=0.0))
     keys = {r["key"] for r in done}
-    # both bests at the other seeds: the unclipped pair is compared like for like, and each with the clipped sync DP
-    assert [(r.method, r.inner_lr, r.seed) for r in plan("floor-clip", done) if r.key not in keys and r.inner_steps == 1] == [
-        *(("diloco", 8e-3, s) for s in SEEDS[1:]), *(("syncdp", 4e-3, s) for s in SEEDS[1:])]
+    # both bests at the other seeds: the unclipped pair is compared like for like, and each with the clipped sync DP;
+    # then the 410x point with unclipped islands
+    h, codec, o, m, f = FLOOR_CLIP_CARRIED[0]
+    assert [(r.method, r.inner_lr, r.seed, r.inner_steps) for r in plan("floor-clip", done) if r.key not in keys and not r.clip] == [
+        *(("diloco", 8e-3, s, 1) for s in SEEDS[1:]), *(("syncdp", 4e-3, s, 1) for s in SEEDS[1:]), ("diloco", 4e-3 * f, 0, h)]
+    carried = [r for r in plan("floor-clip", done) if r.inner_steps == h][0]
+    assert (carried.compression, carried.outer_lr, carried.outer_momentum, carried.reducer_feedback) == (codec, o, m, True)
+    # the islands clipped at the higher norm: best at 4e-3, the grid's bottom, so halved; then bracketed: its seeds
+    done += [_result("diloco", 4e-3, 2.04, clip=norm), _result("diloco", 8e-3, 2.06, clip=norm)]
+    keys = {r["key"] for r in done}
+    assert [(r.inner_lr, r.seed) for r in plan("floor-clip", done) if r.key not in keys and r.clip == norm] == [(2e-3, 0)]
+    done.append(_result("diloco", 2e-3, 2.08, clip=norm))
+    keys = {r["key"] for r in done}
+    assert [(r.inner_lr, r.seed) for r in plan("floor-clip", done) if r.key not in keys and r.clip == norm] == [
+        (4e-3, s) for s in SEEDS[1:]]
     done += [_result("diloco", 8e-3, 2.02, seed=1, clip=0.0), _result("syncdp", 4e-3, 2.1, seed=1),
              _result("diloco", 8e-3, 2.03)]  # the same floor run clipped, beside
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in done))
     table = report(tmp_path)
     # unclipped sync DP's best 2.01 at seed 0 (none at seed 1), the clipped one's 2.0 and 2.1
-    assert "| H = 1, fp32, plain averaging | 0.008 (2) | 0 | 2.0500 | 2.0300 | +2.0% | +2.5% | **+2.5%** |" in table
-    assert "| H = 1, fp32, plain averaging | 0.008 (2) | 1 | 2.0200 | – | – | -3.8% | **-3.8%** |" in table
+    assert "| H = 1, fp32, plain averaging, unclipped | 0.008 (2) | 0 | 2.0500 | 2.0300 | +2.0% | +2.5% | **+2.5%** |" in table
+    assert "| H = 1, fp32, plain averaging, unclipped | 0.008 (2) | 1 | 2.0200 | – | – | -3.8% | **-3.8%** |" in table
+    assert "| H = 1, fp32, plain averaging, islands clipped at 2 | 0.004 (1) | 0 | 2.0400 | – | – | +2.0% | **+2.0%** |" in table
