@@ -702,6 +702,17 @@ def _floor_length(result: dict, steps: int) -> bool:
                                                   result["outer_momentum"], result["schedule"]) == (1, "none", 1.0, 0.0, "fixed")))
 
 
+def _tuned(grid: list[Run], done: dict[str, dict], low: float, high: float) -> tuple[Run | None, Run | None]:
+    """A grid of runs (one method, sorted by lr) against the runs ``done``: (its best, None) once all are done and
+    the best is bracketed or at a limit in [``low``, ``high``]; (None, the next run) while the best is at its edge;
+    (None, None) while some are still to run."""
+    if not all(run.key in done for run in grid):
+        return None, None
+    best = min(grid, key=lambda run: done[run.key]["final_loss"])
+    past = _past_edge([run.inner_lr for run in grid], best.inner_lr, low, high)
+    return (best, None) if past is None else (None, replace(best, inner_lr=past))
+
+
 def _floor_length_plan(results: list[dict]) -> list[Run]:
     """Phase floor-length: at each of FLOOR_LENGTHS, on its own, sync DP's lr grid grown at its edge until it brackets
     its best; then DiLoCo at H = 1 at FLOOR_LENGTH_FACTORS of that best, grown likewise (within INNER_LR_LIMIT); then
@@ -715,14 +726,10 @@ def _floor_length_plan(results: list[dict]) -> list[Run]:
             lrs = FLOOR_LENGTH_DP_LRS if base is None else tuple(base * f for f in FLOOR_LENGTH_FACTORS)
             tried = {r["inner_lr"] for r in results if _floor_length(r, steps) and r["method"] == method and r["seed"] == 0}
             grid = [Run(method, lr, steps=steps) for lr in sorted({*lrs, *tried})]
-            runs += grid
-            if not all(run.key in done for run in grid):
-                break
-            best = min(grid, key=lambda run: done[run.key]["final_loss"])
             limits = (0.0, float("inf")) if base is None else (base / INNER_LR_LIMIT, base * INNER_LR_LIMIT)
-            past = _past_edge([run.inner_lr for run in grid], best.inner_lr, *limits)
-            if past is not None:
-                runs.append(replace(best, inner_lr=past))
+            best, grow = _tuned(grid, done, *limits)
+            runs += [*grid, *([grow] if grow else [])]
+            if best is None:
                 break
             bests.append(best)
             base = best.inner_lr
@@ -755,21 +762,17 @@ def _floor_clip_plan(lr: float, results: list[dict]) -> list[Run]:
         tried = {r["inner_lr"] for r in results if _floor_clip(r) and r["method"] == method and r["seed"] == 0
                  and r["inner_steps"] == 1 and r["clip"] == clip}
         grid = [Run(method, x, clip=clip) for x in sorted({*(lr * f for f in factors), *tried})]
-        runs += grid
-        if not all(run.key in done for run in grid):
+        best, grow = _tuned(grid, done, lr / INNER_LR_LIMIT, lr * INNER_LR_LIMIT)
+        runs += [*grid, *([grow] if grow else [])]
+        if best is None:
             continue
-        best = min(grid, key=lambda run: done[run.key]["final_loss"])
-        past = _past_edge([run.inner_lr for run in grid], best.inner_lr, lr / INNER_LR_LIMIT, lr * INNER_LR_LIMIT)
-        if past is not None:
-            runs.append(replace(best, inner_lr=past))
-        else:
-            bests.append(best)
-        if len(bests) == 2 and not clip:
+        bests.append(best)
+        if clip:  # the islands clipped at a higher norm, against the clipped sync DP: their best's seeds
+            runs += [replace(best, seed=s) for s in SEEDS[1:]]
+        elif len(bests) == 2:  # the unclipped pair, both bracketed
             runs += [replace(best, seed=s) for best in bests for s in SEEDS[1:]]
             runs += [Run("diloco", lr * f, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m, reducer_feedback=True,
                          clip=0.0) for h, c, o, m, f in FLOOR_CLIP_CARRIED]
-        elif clip and past is None:
-            runs += [replace(best, seed=s) for s in SEEDS[1:]]
     return runs
 
 
