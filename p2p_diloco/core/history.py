@@ -49,6 +49,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 CHAIN = 8  # heads a record lists, its own current one included
+MADE = 4  # steps a record lists as computed by its peer (``made``): a fork is found within a round or two
 Node = tuple[int, str]  # (outer step, state sha256)
 
 
@@ -254,3 +255,19 @@ def unbacked_claims(records: Mapping[str, Mapping], own: Sequence[Node], own_id:
 def reported_sha256(records: Mapping[str, Mapping], outer_step: int) -> dict[str, str]:
     """The state sha256 each peer reports for ``outer_step``, by peer id (peers at other steps left out)."""
     return {peer: str(r.get("global_sha256")) for peer, r in records.items() if r.get("outer_step") == outer_step}
+
+
+def made_sha256(records: Mapping[str, Mapping], outer_step: int) -> dict[str, str]:
+    """The state sha256 each peer says it computed itself for ``outer_step``, averaging in its group, by peer id:
+    a record's ``made`` lists the last ``MADE`` steps its peer averaged and the bytes they came out as, which a
+    download later does not change (its chain it does). Peers that did not average that step, or whose list no
+    longer reaches back to it, are left out; malformed entries are ignored. A peer's word on its own arithmetic
+    only: a liar moves nothing by it but the line that says whose arithmetic differs (train/catch_up.py)."""
+    made: dict[str, str] = {}
+    for peer, record in records.items():
+        entries = record.get("made")
+        if isinstance(entries, list | tuple):
+            for entry in entries[-MADE:]:
+                if isinstance(entry, list | tuple) and len(entry) == 2 and _valid_node(*entry) and entry[0] == outer_step:
+                    made[peer] = entry[1]
+    return made

@@ -80,6 +80,8 @@ class Link(Protocol):
 
     def reported_sha256(self, outer_step: int) -> dict[str, str]: ...
 
+    def made_sha256(self, outer_step: int) -> dict[str, str]: ...
+
     def download_state(self, shapes: Sequence[Sequence[int]], target: Target) -> SwarmState | None: ...
 
     def refuse_donor(self, donor: str, reason: str) -> None: ...
@@ -118,6 +120,9 @@ class ImmediateAveraging:
         return 0
 
     def reported_sha256(self, outer_step: int) -> dict[str, str]:
+        return {}
+
+    def made_sha256(self, outer_step: int) -> dict[str, str]:
         return {}
 
     def refuse_donor(self, donor: str, reason: str) -> None:

@@ -149,6 +149,10 @@ class SwarmLink:
         """The state sha256 each live peer reports for ``outer_step``, by peer id."""
         return history.reported_sha256(self.live_peers(), outer_step)
 
+    def made_sha256(self, outer_step: int) -> dict[str, str]:
+        """The state sha256 each live peer says it computed for ``outer_step`` in its group, by peer id."""
+        return history.made_sha256(self.live_peers(), outer_step)
+
     def swarm_target(self, chain: Sequence[history.Node], fresh: bool) -> history.Target | None:
         """The state this peer should take, by what the live peers vouch for (SwarmView.target)."""
         banned = self.view.history_banned

@@ -9,8 +9,11 @@ loop reads like the algorithm: the loop calls ``catch_up`` at a round's end and 
   swarm's, or in a run's first rounds our own scaled to a round's tokens: ``next_step_problem``);
 - a fork won on a tie (the smaller sha256, which a hostile side can grind for) is taken only within one honest round
   of our state (``tie_problem``); one refused is said once and not downloaded again;
-- a fork at a step this peer's own group made is said in one line (its arithmetic differs: docs/design.md §5), whether
-  the swarm is still at that step or, by the downloaded state's history, has moved on;
+- a fork at a step this peer's own group made waits, once, for the groupmates still applying that step to report
+  their bytes, so that the group's majority, not the first report read, decides which bytes go on;
+- such a fork is said in one line (someone's arithmetic differs: docs/design.md §5), whether the swarm is still at
+  that step or, by the downloaded state's history, has moved on; the line blames this peer's hardware only where
+  more of its groupmates say they computed one other state than computed ours (a pair cannot tell whose differs);
 - a failed averaging that the swarm applied after all (the donor's round history names us) is not counted twice.
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +51,8 @@ def catch_up(learner: Learner, link: Link) -> bool:
     if target.how == "tie" and target.sha256 in learner.refused_ties:
         return False  # refused before (said once): not downloaded again every round
     if target.step == learner.outer_step:
+        if target.how in ("fork", "tie") and _group_yet_to_report(learner, link):
+            return False
         _note_arithmetic_mismatch(learner, link)
     started = time.monotonic()
     state = link.download_state([tuple(p.shape) for p in learner.global_params], target)
@@ -77,7 +82,7 @@ def catch_up(learner: Learner, link: Link) -> bool:
     theirs_then = dict(state.chain).get(before) if state.outer_step > before else None
     forked = state.outer_step <= before or (theirs_then is not None and theirs_then != learner.global_sha256)
     if forked and theirs_then is not None:
-        _note_mismatch_in_history(learner, state, link.peer_id, theirs_then)
+        _note_mismatch_in_history(learner, state, link, theirs_then)
     _take_state(learner, state, link.peer_id)
     learner.catch_ups += 1
     learner.forks_healed += int(forked)
@@ -141,43 +146,83 @@ def _take_state(learner: Learner, state: SwarmState, peer_id: str) -> None:
     learner.unconfirmed = None
 
 
-def _note_arithmetic_mismatch(learner: Learner, link: Link) -> None:
-    """Say so, once per outer step, when the swarm holds other bytes for a step that this peer's own group made.
+def _group_yet_to_report(learner: Learner, link: Link) -> bool:
+    """Whether to leave a fork at our step for now (True once per step): groupmates of the round that made it are
+    still at the step before, applying it, so their bytes are not in the count yet. Without this, the first of a
+    group of three to look saw one groupmate's other bytes against its own, a tie, and took them on the smaller
+    sha256: the group's odd member's bytes went on and its two others each blamed their own hardware (a CI run).
+    We look again at the next round's end (or failed round), by when they have reported; not at the planned end,
+    where ``run_edges.confirm_last_step`` has already waited for them."""
+    step = learner.outer_step
+    if learner.fork_waited == step or learner.should_stop():
+        return False
+    groupmates = set(learner.round_history.get(step - 1, ())) - {link.peer_id}
+    applying = groupmates & set(link.reported_sha256(step - 1))
+    if not applying:
+        return False
+    learner.fork_waited = step
+    logger.info("outer step %d: other bytes are reported for it; waiting a round for the %d groupmate(s) still "
+                "applying it", step, len(applying))
+    return True
 
-    Every member of a group declared the same state before the step (the base of its group request) and got
-    the same averaged bytes back (averaging.py), so a member whose state after it differs from its groupmates'
-    computed the step differently: a kernel that breaks the portable arithmetic (docs/design.md §5), or a
-    machine that miscomputes. The fork heals by download all the same; this says why it happened."""
+
+def _note_arithmetic_mismatch(learner: Learner, link: Link) -> None:
+    """Say so, once per outer step, when the swarm holds other bytes for a step that this peer's own group made and
+    a groupmate says it computed other bytes for it (``made``: not a fork that another group made)."""
     step = learner.outer_step
     groupmates = set(learner.round_history.get(step - 1, ())) - {link.peer_id}
     if not groupmates or step in learner.arithmetic_mismatches:
         return
-    reported = {peer: sha for peer, sha in link.reported_sha256(step).items() if peer in groupmates}
-    others = sorted({sha for sha in reported.values() if sha != learner.global_sha256})
-    if not others:
-        return
-    learner.arithmetic_mismatches.append(step)
-    differ = sum(sha != learner.global_sha256 for sha in reported.values())
-    logger.warning(
-        "this peer's hardware computed outer step %d differently from %d of %d groupmates (ours %s, theirs %s): "
-        "same inputs, other bytes; taking the swarm's state", step, differ, len(reported), learner.global_sha256[:12],
-        ", ".join(sha[:12] for sha in others),
-    )
+    made = {peer: sha for peer, sha in link.made_sha256(step).items() if peer in groupmates}
+    theirs = sorted({sha for sha in made.values() if sha != learner.global_sha256})
+    if theirs:
+        _say_mismatch(learner, step, len(groupmates) + 1, made, ", ".join(sha[:12] for sha in theirs))
 
 
-def _note_mismatch_in_history(learner: Learner, state: SwarmState, peer_id: str, theirs: str) -> None:
+def _note_mismatch_in_history(learner: Learner, state: SwarmState, link: Link, theirs: str) -> None:
     """As ``_note_arithmetic_mismatch``, for a fork found only in a downloaded state's history: the donor's history
     holds ``theirs`` for our outer step, and says that step was made by the very group we averaged it with."""
     step = learner.outer_step
     ours = set(learner.round_history.get(step - 1, ()))
-    if not ours - {peer_id} or step in learner.arithmetic_mismatches or set(state.round_history.get(step - 1, ())) != ours:
+    groupmates = ours - {link.peer_id}
+    if not groupmates or step in learner.arithmetic_mismatches or set(state.round_history.get(step - 1, ())) != ours:
         return
+    made = {peer: sha for peer, sha in link.made_sha256(step).items() if peer in groupmates}
+    _say_mismatch(learner, step, len(ours), made, f"{theirs[:12]} in {state.donor}'s history")
+
+
+def _say_mismatch(learner: Learner, step: int, group: int, made: dict[str, str], theirs: str) -> None:
+    """One line, and one count in ``arithmetic_mismatches``, for our ``step``, made in a ``group`` (this peer
+    included) whose members declared the same state before it and got the same averaged bytes back (averaging.py),
+    yet came out on other bytes: someone's hardware computes the outer step otherwise (a kernel that breaks the
+    portable arithmetic, docs/design.md §5, or a machine that miscomputes). Whose, by what each groupmate says it
+    computed (``made``), not by what it holds now: one whose round failed downloads either side afterwards, and a
+    first look at the step's reports once blamed the two portable members of a group of three (a CI run). It is
+    this peer's only if more groupmates computed one other state than computed ours, this peer included; a group
+    of two, or one split evenly, cannot tell (said, and counted); if most computed ours, the odd one says it (not
+    said here, not counted). The fork heals by download all the same."""
+    ours = 1 + sum(sha == learner.global_sha256 for sha in made.values())
+    most = max(Counter(sha for sha in made.values() if sha != learner.global_sha256).values(), default=0)
+    if made and ours > most:
+        return  # most of the group computed ours: the groupmate whose bytes differ says so, not this peer
     learner.arithmetic_mismatches.append(step)
-    logger.warning(
-        "this peer's hardware computed outer step %d differently from its group of %d (ours %s, theirs %s in %s's "
-        "history): same inputs, other bytes; taking the swarm's state", step, len(ours), learner.global_sha256[:12],
-        theirs[:12], state.donor,
-    )
+    shas = f"ours {learner.global_sha256[:12]}, theirs {theirs}"
+    if most > ours:
+        logger.warning("this peer's hardware computed outer step %d differently from %d of %d groupmates (%s): "
+                       "same inputs, other bytes; taking the swarm's state", step, len(made) + 1 - ours, len(made), shas)
+    elif group == 2:
+        logger.warning("outer step %d came out as other bytes on this peer than on its one groupmate (%s): same "
+                       "inputs, other bytes, and a group of two cannot tell whose hardware differs; taking the "
+                       "swarm's state", step, shas)
+    elif not made:
+        logger.warning("outer step %d came out as other bytes on this peer than in the swarm, in a group of %d (%s): "
+                       "same inputs, other bytes, and no groupmate says what it computed; taking the swarm's state",
+                       step, group, shas)
+    else:
+        logger.warning("outer step %d came out as other bytes on this peer than on %d of the %d groupmates that say "
+                       "what they computed, in a group of %d (%s): same inputs, other bytes, and as many of those "
+                       "that say hold ours, so nobody can tell whose hardware differs; taking the swarm's state",
+                       step, len(made) + 1 - ours, len(made), group, shas)
 
 
 def _unconfirmed_was_applied(learner: Learner, state: SwarmState, peer_id: str) -> PendingAveraging | None:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from p2p_diloco.core.config import PeerConfig
-from p2p_diloco.core.history import CHAIN, Node
+from p2p_diloco.core.history import CHAIN, MADE, Node
 from p2p_diloco.core.link import AveragingOutcome, Link, LocalLink
 from p2p_diloco.core.outer import OuterOptimizer, Segment, state_sha256
 from p2p_diloco.core.schedule import lr_factor
@@ -123,6 +123,7 @@ class Learner:
         # averaged bytes applied to the same state, so this machine's arithmetic differs (docs/design.md §5)
         self.arithmetic_mismatches: list[int] = []
         self.refused_ties: set[str] = set()  # same-step forks won on a tie that lay too far from us (catch_up.py)
+        self.fork_waited = -1  # the outer step at which a fork waited for our groupmates' reports (catch_up.py)
         self.resumed_from: str | None = None
         self.peer_id = "?"
         self.pending: PendingAveraging | None = None
@@ -132,6 +133,9 @@ class Learner:
         self.round_history: dict[int, tuple[str, ...]] = {}  # outer step r -> peers whose gradients made r -> r+1
         # our last heads (outer step, state sha256), published for the others to vouch by (history.py)
         self.chain: deque[Node] = deque([(0, self.global_sha256)], maxlen=CHAIN)
+        # the steps we computed ourselves, averaging, and the bytes they came out as: a download replaces the chain,
+        # not these, so that groupmates can tell whose arithmetic differs at a fork (catch_up.py, history.made_sha256)
+        self.made: deque[Node] = deque(maxlen=MADE)
         self.fresh = True  # no averaging in a group since we started: our history is our own word only
         # the average that made our current state from the one before (its sha256), served with our state: a peer
         # one step behind recomputes that step from it instead of taking our word (history.py, "next")
@@ -333,6 +337,7 @@ class Learner:
                 self.outer_step += 1
                 self.global_sha256 = state_sha256(self.global_params, self.outer.momentum_buffers)
                 self.chain.append((self.outer_step, self.global_sha256))
+                self.made.append((self.outer_step, self.global_sha256))
             self.fresh = self.fresh and len(outcome.peers) < 2
             with torch.no_grad():  # local_params <- new_global + (local_params - snapshot): keep the work done since
                 for segment, snapshot in zip(segments, pending.snapshot):
@@ -369,7 +374,8 @@ class Learner:
 
     def publish_step(self, link: Link) -> None:
         recent = [list(node) for node in list(self.chain)[:-1]]  # our earlier heads: the others vouch by chains
-        link.publish(outer_step=self.outer_step, global_sha256=self.global_sha256, round=self.round_index, recent=recent)
+        link.publish(outer_step=self.outer_step, global_sha256=self.global_sha256, round=self.round_index, recent=recent,
+                     made=[list(node) for node in self.made])
 
     # the parts of the learner kept in modules of their own (their docstrings say what and why)
 

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import hashlib
 
-from p2p_diloco.core.history import CHAIN, Target, chain_of, choose_target, moved_past, unbacked_claims
+from p2p_diloco.core.history import (
+    CHAIN,
+    MADE,
+    Target,
+    chain_of,
+    choose_target,
+    made_sha256,
+    moved_past,
+    unbacked_claims,
+)
 from p2p_diloco.core.swarm_view import SwarmView
 
 
@@ -254,3 +263,21 @@ def test_a_search_whose_only_partner_at_its_step_was_killed_ends_as_stale():
     assert not SwarmView("a").moved_past(records, own, 5)
     assert SwarmView("a").moved_past(records, own, 5, {"b": 0.3, "dead": 9.0}.__getitem__)
     assert not SwarmView("a").moved_past(records, own, 5, {"b": 0.3, "dead": 3.0}.__getitem__)  # within 2 + 2 s
+
+
+def test_made_says_what_each_peer_computed_for_a_step_and_ignores_what_is_malformed():
+    """``made`` is a peer's word on the steps it averaged (a download later changes its chain, not this): the fork
+    line of train/catch_up.py counts by it whose arithmetic differs."""
+    a, b = "a" * 64, "b" * 64
+    records = {
+        "p1": {"outer_step": 7, "global_sha256": b, "made": [[5, a], [6, a]]},  # made 6 as a, downloaded b since
+        "p2": {"outer_step": 6, "global_sha256": b, "made": [[6, b]]},
+        "p3": {"outer_step": 6, "global_sha256": b},  # said nothing: left out, not counted as either
+        "bad": {"made": [[6, "A" * 64], [True, a], [6], "66", [-1, a], [6, a[:-1]]]},
+        "odd": {"made": "6"},
+    }
+    assert made_sha256(records, 6) == {"p1": a, "p2": b}
+    assert made_sha256(records, 5) == {"p1": a} and made_sha256(records, 7) == {}
+    # only the last MADE entries count: a record cannot list the whole run to seem to have made every step
+    long = {"p": {"made": [[step, a] for step in range(3 * MADE)]}}
+    assert made_sha256(long, 0) == {} and made_sha256(long, 2 * MADE) == {"p": a} and made_sha256(long, 2 * MADE - 1) == {}

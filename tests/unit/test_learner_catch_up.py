@@ -116,7 +116,8 @@ def test_catch_up_takes_the_swarm_state_and_rebases_local_progress(make_config):
     assert learner.catch_ups == 1 and learner.forks_healed == 0
     assert learner.pending is None and learner.round_index == 7
     steps_published = [fields for fields in link.published if "outer_step" in fields]
-    assert steps_published[-1] == dict(outer_step=7, global_sha256=state.global_sha256, round=7, recent=[])
+    # a download is no step this peer computed: nothing in ``made`` (history.made_sha256)
+    assert steps_published[-1] == dict(outer_step=7, global_sha256=state.global_sha256, round=7, recent=[], made=[])
     assert link.published[-1]["stats"][0] == 7  # then the summary of its metrics record, for watchers (watch.py)
 
 

@@ -73,6 +73,9 @@ class FakeLink:
     def reported_sha256(self, outer_step: int) -> dict[str, str]:
         return {}
 
+    def made_sha256(self, outer_step: int) -> dict[str, str]:
+        return {}
+
     def download_state(self, shapes, target) -> SwarmState | None:
         return None
 
@@ -492,3 +495,14 @@ def test_the_straggler_wait_is_bounded_and_skipped_on_a_stop_request_or_when_dis
     threading.Timer(0.5, stopped.stop.set).start()
     stopped.run(link)
     assert link.behind_asked == []
+
+
+def test_a_peer_publishes_the_steps_it_computed_itself_as_made(make_config):
+    """Every averaged step goes into ``made`` (its step and the bytes it came out as), published with the head, for
+    groupmates to tell whose arithmetic differs at a fork (train/catch_up.py); the last MADE of them."""
+    learner = _learner(_config(make_config, max_outer_steps=2))
+    link = FakeLink(complete_after=0)
+    learner.run(link)
+    heads = [(fields["outer_step"], fields["global_sha256"]) for fields in link.published if "outer_step" in fields]
+    assert list(learner.made) == [node for node in dict.fromkeys(heads) if node[0] > 0] and len(learner.made) == 2
+    assert [fields for fields in link.published if "made" in fields][-1]["made"] == [list(node) for node in learner.made]

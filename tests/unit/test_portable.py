@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from p2p_diloco.core import compression
-from p2p_diloco.core.config import InnerConfig, ModelConfig
+from p2p_diloco.core.config import InnerConfig, ModelConfig, RunConfig
 from p2p_diloco.core.history import Target
 from p2p_diloco.core.link import AveragingOutcome, SwarmState
 from p2p_diloco.core.outer import params_sha256, state_sha256
@@ -99,17 +99,43 @@ def test_the_fixed_code_books_are_bitsandbytes_own():
 
 class GroupmatesLink(AheadLink):
     """A swarm in which this peer's groupmates of the last round report ``theirs`` for its current outer step, and
-    serve that state: the fork heals by download."""
+    serve that state: the fork heals by download. ``reports`` overrides what a groupmate reports: other bytes
+    (ours: it agrees with us), or ``None``: it is still at the step before, applying the step. What each says it
+    computed for the step (``made``) is what it reports, but for the groupmates in ``downloaded``."""
 
-    def __init__(self, state: SwarmState, groupmates: Sequence[str], theirs: str):
+    def __init__(self, state: SwarmState, groupmates: Sequence[str], theirs: str, how: str = "fork"):
         super().__init__(state.outer_step, state)
-        self.groupmates, self.theirs = tuple(groupmates), theirs
+        self.groupmates, self.theirs, self.how = tuple(groupmates), theirs, how
+        self.reports: dict[str, str | None] = {}
+        self.downloaded: set[str] = set()
 
     def swarm_target(self, chain, fresh) -> Target | None:
-        return Target(self.state.outer_step, self.theirs, "fork") if self.theirs != chain[-1][1] else None
+        return Target(self.state.outer_step, self.theirs, self.how) if self.theirs != chain[-1][1] else None
 
     def reported_sha256(self, outer_step: int) -> dict[str, str]:
-        return {peer: self.theirs for peer in self.groupmates} | {"stranger": "0" * 64}
+        at = {peer: self.reports.get(peer, self.theirs) for peer in self.groupmates}
+        if outer_step == self.state.outer_step:
+            return {peer: sha for peer, sha in at.items() if sha is not None} | {"stranger": "0" * 64}
+        return {peer: "3" * 64 for peer, sha in at.items() if sha is None and outer_step == self.state.outer_step - 1}
+
+    def made_sha256(self, outer_step: int) -> dict[str, str]:
+        reported = self.reported_sha256(outer_step) if outer_step == self.state.outer_step else {}
+        return {peer: sha for peer, sha in reported.items() if peer in self.groupmates and peer not in self.downloaded}
+
+
+def _forked_at_step_4(make_config, group: tuple[str, ...], run: RunConfig | None = None,
+                      **link) -> tuple[Learner, GroupmatesLink, str]:
+    """A learner at outer step 4, which it averaged with ``group`` (this peer, "fake", among them), and a swarm whose
+    groupmates report other bytes for step 4: the same step, one ulp or so apart, another arithmetic."""
+    config = make_config(inner=InnerConfig(inner_steps=1, batch_size=2), **({"run": run} if run else {}))
+    learner = Learner(config, make_dataset(make_config()), NullSink())
+    learner.outer_step = 4
+    learner.round_history[3] = group
+    momentum = snapshot(learner.outer.momentum_buffers)
+    theirs = [p + 1e-7 for p in learner.global_params]
+    state = SwarmState(4, theirs, momentum, 4, 0, state_sha256(theirs, momentum), donor=group[1])
+    return learner, GroupmatesLink(state, [peer for peer in group if peer != "fake"], state.global_sha256, **link), \
+        learner.global_sha256
 
 
 def test_a_peer_whose_own_group_computed_its_step_otherwise_says_so_once_and_counts_it(make_config, caplog):
@@ -144,10 +170,114 @@ def test_a_peer_whose_own_group_computed_its_step_otherwise_says_so_once_and_cou
     assert record["arithmetic_mismatches"] == 1
 
 
+def _said(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "other bytes" in r.getMessage()]
+
+
+def test_a_group_of_two_or_split_evenly_blames_nobody_s_hardware(make_config, caplog):
+    """Two peers that computed their step otherwise cannot tell whose arithmetic differs (a CI run's portable peer
+    blamed its own hardware for a round it made with the odd one alone): the line says so, and still counts it."""
+    learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA"))
+    theirs = link.theirs
+    with caplog.at_level(logging.WARNING):
+        assert learner.catch_up(link) is True
+    assert _said(caplog) == [f"outer step 4 came out as other bytes on this peer than on its one groupmate (ours "
+                             f"{ours[:12]}, theirs {theirs[:12]}): same inputs, other bytes, and a group of two cannot "
+                             "tell whose hardware differs; taking the swarm's state"]
+    assert learner.arithmetic_mismatches == [4] and learner.forks_healed == 1 and learner.global_sha256 == theirs
+
+    # a group of four, split two and two: said, and counted
+    learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA", "peerB", "peerC"))
+    link.reports = {"peerB": ours}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert learner.catch_up(link) is True
+    assert _said(caplog) == [f"outer step 4 came out as other bytes on this peer than on 2 of the 3 groupmates that say "
+                             f"what they computed, in a group of 4 (ours {ours[:12]}, theirs {link.theirs[:12]}): same "
+                             "inputs, other bytes, and as many of those that say hold ours, so nobody can tell whose "
+                             "hardware differs; taking the swarm's state"]
+    assert learner.arithmetic_mismatches == [4]
+    # three (this peer, B and C) against A, whom the swarm followed all the same: A's line, not ours
+    learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA", "peerB", "peerC"))
+    link.reports = {"peerB": ours, "peerC": ours}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert learner.catch_up(link) is True
+    assert _said(caplog) == [] and learner.arithmetic_mismatches == [] and learner.forks_healed == 1
+
+    # a group of three whose B did not compute the step (its round failed) but downloaded A's bytes since: not two
+    # against one (a CI run's portable peer blamed its own hardware so)
+    learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA", "peerB"))
+    link.downloaded = {"peerB"}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert learner.catch_up(link) is True
+    assert [line.split(" (")[0] for line in _said(caplog)] == [
+        "outer step 4 came out as other bytes on this peer than on 1 of the 1 groupmates that say what they computed, "
+        "in a group of 3"]
+    assert _said(caplog)[0].endswith("as many of those that say hold ours, so nobody can tell whose hardware differs; "
+                                     "taking the swarm's state")
+
+    # a fork that another group made at our step, which no groupmate computed: a plain fork, no line
+    learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA", "peerB"))
+    link.downloaded = {"peerA", "peerB"}
+    assert learner.catch_up(link) is True and learner.arithmetic_mismatches == [] and learner.forks_healed == 1
+
+
+def test_a_fork_at_our_groups_step_waits_once_for_the_groupmates_still_applying_it(make_config, caplog):
+    """The first of a group of three to look saw one groupmate's other bytes against its own and took them on a tie
+    (a CI run): the odd peer's bytes went on. Now it waits a round while a groupmate is still at the step before, so
+    that the group's majority decides; once per step, and never at the planned end."""
+    learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA", "peerB"), how="tie")
+    link.reports = {"peerB": None}  # B is still applying step 4
+    with caplog.at_level(logging.INFO):
+        assert learner.catch_up(link) is False
+    assert link.downloads == 0 and learner.global_sha256 == ours and learner.fork_waited == 4
+    assert "outer step 4: other bytes are reported for it; waiting a round for the 1 groupmate(s) still applying it" in [
+        r.getMessage() for r in caplog.records]
+    assert _said(caplog) == [] and learner.arithmetic_mismatches == []
+    link.reports = {}  # B reports A's bytes: two of three, so it was this peer's hardware
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert learner.catch_up(link) is True
+    assert _said(caplog) == [f"this peer's hardware computed outer step 4 differently from 2 of 2 groupmates (ours "
+                             f"{ours[:12]}, theirs {link.theirs[:12]}): same inputs, other bytes; taking the swarm's state"]
+
+    # B still applying at the next look: the fork heals all the same, and blames nobody
+    learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA", "peerB"), how="tie")
+    link.reports = {"peerB": None}
+    assert learner.catch_up(link) is False
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert learner.catch_up(link) is True
+    assert link.downloads == 1 and learner.forks_healed == 1
+    assert [line.split(" (")[0] for line in _said(caplog)] == [
+        "outer step 4 came out as other bytes on this peer than on 1 of the 1 groupmates that say what they computed, "
+        "in a group of 3"]
+
+    # nothing to wait for when every groupmate has reported, nor at the planned end (confirm_last_step waited)
+    for run, reports in ((None, {}), (RunConfig(eval_batches=1, seed=3, max_outer_steps=4), {"peerB": None})):
+        learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA", "peerB"), run=run)
+        link.reports = reports
+        assert learner.catch_up(link) is True and learner.fork_waited == -1 and learner.global_sha256 == link.theirs
+
+
+class MadeLink(AheadLink):
+    """An ``AheadLink`` whose live peers say what they computed for each step (``made``: step -> {peer: sha256})."""
+
+    def __init__(self, swarm_step: int, state: SwarmState, made: dict[int, dict[str, str]] | None = None):
+        super().__init__(swarm_step, state)
+        self.made = made or {}
+
+    def made_sha256(self, outer_step: int) -> dict[str, str]:
+        return dict(self.made.get(outer_step, {}))
+
+
 def test_a_step_our_group_computed_otherwise_is_said_when_the_swarm_moved_on_before_we_saw_it(make_config, caplog):
     """The groupmates took the next step (without us: our base differed) before our catch-up looked, so the swarm is
-    ahead rather than at our step with other bytes: the downloaded state's history shows the fork at our step."""
-    def at_step_5(group_of_step_3: tuple[str, ...]) -> tuple[Learner, AheadLink, str]:
+    ahead rather than at our step with other bytes: the downloaded state's history shows the fork at our step, and
+    what the groupmates say they computed for it says whose arithmetic differs."""
+    def at_step_5(group_of_step_3: tuple[str, ...], made: dict[str, str] | None = None) -> tuple[Learner, MadeLink, str]:
         learner = Learner(make_config(inner=InnerConfig(inner_steps=1, batch_size=2)), make_dataset(make_config()),
                           NullSink())
         learner.outer_step = 4
@@ -157,15 +287,43 @@ def test_a_step_our_group_computed_otherwise_is_said_when_the_swarm_moved_on_bef
         state = SwarmState(5, theirs, momentum, 5, 0, state_sha256(theirs, momentum), donor="peerA",
                            round_history={3: group_of_step_3, 4: ("peerA", "peerB")},
                            chain=((3, "3" * 64), (4, "4" * 64), (5, state_sha256(theirs, momentum))))
-        return learner, AheadLink(5, state), learner.global_sha256
+        return learner, MadeLink(5, state, {4: made or {}}), learner.global_sha256
 
-    learner, link, ours = at_step_5(("fake", "peerA", "peerB"))
+    learner, link, ours = at_step_5(("fake", "peerA", "peerB"), made={"peerA": "4" * 64, "peerB": "4" * 64})
     with caplog.at_level(logging.WARNING):
         assert learner.catch_up(link) is True
-    lines = [r.getMessage() for r in caplog.records if "differently" in r.getMessage()]
-    assert lines == [f"this peer's hardware computed outer step 4 differently from its group of 3 (ours {ours[:12]}, "
-                     f"theirs {'4' * 12} in peerA's history): same inputs, other bytes; taking the swarm's state"]
+    assert _said(caplog) == [f"this peer's hardware computed outer step 4 differently from 2 of 2 groupmates (ours "
+                             f"{ours[:12]}, theirs {'4' * 12} in peerA's history): same inputs, other bytes; taking the "
+                             "swarm's state"]
     assert learner.arithmetic_mismatches == [4] and learner.forks_healed == 1 and learner.outer_step == 5
+
+    # B computed our bytes, and the swarm went on with A's all the same: A's line, not ours
+    learner, link, ours = at_step_5(("fake", "peerA", "peerB"))
+    link.made = {4: {"peerA": "4" * 64, "peerB": ours}}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert learner.catch_up(link) is True
+    assert _said(caplog) == [] and learner.arithmetic_mismatches == [] and learner.forks_healed == 1
+    # groupmates that say nothing of step 4 (their lists no longer reach back to it): said, blaming nobody
+    learner, link, ours = at_step_5(("fake", "peerA", "peerB"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert learner.catch_up(link) is True
+    assert _said(caplog) == [f"outer step 4 came out as other bytes on this peer than in the swarm, in a group of 3 (ours "
+                             f"{ours[:12]}, theirs {'4' * 12} in peerA's history): same inputs, other bytes, and no "
+                             "groupmate says what it computed; taking the swarm's state"]
+    assert learner.arithmetic_mismatches == [4] and learner.forks_healed == 1
+
+    # a step this peer made with A alone: nobody can tell whose hardware differs
+    learner, link, ours = at_step_5(("fake", "peerA"), made={"peerA": "4" * 64})
+    learner.round_history[3] = ("fake", "peerA")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert learner.catch_up(link) is True
+    assert _said(caplog) == [f"outer step 4 came out as other bytes on this peer than on its one groupmate (ours "
+                             f"{ours[:12]}, theirs {'4' * 12} in peerA's history): same inputs, other bytes, and a group "
+                             "of two cannot tell whose hardware differs; taking the swarm's state"]
+    assert learner.arithmetic_mismatches == [4] and learner.forks_healed == 1
 
     # the donor's history says another group made step 4 (A and B alone): a plain fork, healed, not our arithmetic
     learner, link, ours = at_step_5(("peerA", "peerB"))
