@@ -174,45 +174,44 @@ def _said(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "other bytes" in r.getMessage()]
 
 
+def _heals(learner: Learner, link, caplog) -> list[str]:
+    """Catch up, which must take the swarm's state, and the fork lines it said."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert learner.catch_up(link) is True
+    return _said(caplog)
+
+
 def test_a_group_of_two_or_split_evenly_blames_nobody_s_hardware(make_config, caplog):
     """Two peers that computed their step otherwise cannot tell whose arithmetic differs (a CI run's portable peer
     blamed its own hardware for a round it made with the odd one alone): the line says so, and still counts it."""
     learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA"))
     theirs = link.theirs
-    with caplog.at_level(logging.WARNING):
-        assert learner.catch_up(link) is True
-    assert _said(caplog) == [f"outer step 4 came out as other bytes on this peer than on its one groupmate (ours "
-                             f"{ours[:12]}, theirs {theirs[:12]}): same inputs, other bytes, and a group of two cannot "
-                             "tell whose hardware differs; taking the swarm's state"]
+    said = _heals(learner, link, caplog)
+    assert said == [f"outer step 4 came out as other bytes on this peer than on its one groupmate (ours "
+                    f"{ours[:12]}, theirs {theirs[:12]}): same inputs, other bytes, and a group of two cannot "
+                    "tell whose hardware differs; taking the swarm's state"]
     assert learner.arithmetic_mismatches == [4] and learner.forks_healed == 1 and learner.global_sha256 == theirs
 
     # a group of four, split two and two: said, and counted
     learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA", "peerB", "peerC"))
     link.reports = {"peerB": ours}
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert learner.catch_up(link) is True
-    assert _said(caplog) == [f"outer step 4 came out as other bytes on this peer than on 2 of the 3 groupmates that say "
-                             f"what they computed, in a group of 4 (ours {ours[:12]}, theirs {link.theirs[:12]}): same "
-                             "inputs, other bytes, and as many of those that say hold ours, so nobody can tell whose "
-                             "hardware differs; taking the swarm's state"]
+    said = _heals(learner, link, caplog)
+    assert said == [f"outer step 4 came out as other bytes on this peer than on 2 of the 3 groupmates that say "
+                    f"what they computed, in a group of 4 (ours {ours[:12]}, theirs {link.theirs[:12]}): same "
+                    "inputs, other bytes, and as many of those that say hold ours, so nobody can tell whose "
+                    "hardware differs; taking the swarm's state"]
     assert learner.arithmetic_mismatches == [4]
     # three (this peer, B and C) against A, whom the swarm followed all the same: A's line, not ours
     learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA", "peerB", "peerC"))
     link.reports = {"peerB": ours, "peerC": ours}
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert learner.catch_up(link) is True
-    assert _said(caplog) == [] and learner.arithmetic_mismatches == [] and learner.forks_healed == 1
+    assert _heals(learner, link, caplog) == [] and learner.arithmetic_mismatches == [] and learner.forks_healed == 1
 
     # a group of three whose B did not compute the step (its round failed) but downloaded A's bytes since: not two
     # against one (a CI run's portable peer blamed its own hardware so)
     learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA", "peerB"))
     link.downloaded = {"peerB"}
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert learner.catch_up(link) is True
-    assert [line.split(" (")[0] for line in _said(caplog)] == [
+    assert [line.split(" (")[0] for line in _heals(learner, link, caplog)] == [
         "outer step 4 came out as other bytes on this peer than on 1 of the 1 groupmates that say what they computed, "
         "in a group of 3"]
     assert _said(caplog)[0].endswith("as many of those that say hold ours, so nobody can tell whose hardware differs; "
@@ -233,15 +232,13 @@ def test_a_fork_at_our_groups_step_waits_once_for_the_groupmates_still_applying_
     with caplog.at_level(logging.INFO):
         assert learner.catch_up(link) is False
     assert link.downloads == 0 and learner.global_sha256 == ours and learner.fork_waited == 4
-    assert "outer step 4: other bytes are reported for it; waiting a round for the 1 groupmate(s) still applying it" in [
-        r.getMessage() for r in caplog.records]
+    waited = "outer step 4: other bytes are reported for it; waiting a round for the 1 groupmate(s) still applying it"
+    assert waited in [r.getMessage() for r in caplog.records]
     assert _said(caplog) == [] and learner.arithmetic_mismatches == []
     link.reports = {}  # B reports A's bytes: two of three, so it was this peer's hardware
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert learner.catch_up(link) is True
-    assert _said(caplog) == [f"this peer's hardware computed outer step 4 differently from 2 of 2 groupmates (ours "
-                             f"{ours[:12]}, theirs {link.theirs[:12]}): same inputs, other bytes; taking the swarm's state"]
+    said = _heals(learner, link, caplog)
+    assert said == [f"this peer's hardware computed outer step 4 differently from 2 of 2 groupmates (ours "
+                    f"{ours[:12]}, theirs {link.theirs[:12]}): same inputs, other bytes; taking the swarm's state"]
 
     # B still applying at the next look: the fork heals all the same, and blames nobody
     learner, link, ours = _forked_at_step_4(make_config, ("fake", "peerA", "peerB"), how="tie")
@@ -277,7 +274,7 @@ def test_a_step_our_group_computed_otherwise_is_said_when_the_swarm_moved_on_bef
     """The groupmates took the next step (without us: our base differed) before our catch-up looked, so the swarm is
     ahead rather than at our step with other bytes: the downloaded state's history shows the fork at our step, and
     what the groupmates say they computed for it says whose arithmetic differs."""
-    def at_step_5(group_of_step_3: tuple[str, ...], made: dict[str, str] | None = None) -> tuple[Learner, MadeLink, str]:
+    def at_step_5(group_of_step_3: tuple[str, ...], made: dict | None = None) -> tuple[Learner, MadeLink, str]:
         learner = Learner(make_config(inner=InnerConfig(inner_steps=1, batch_size=2)), make_dataset(make_config()),
                           NullSink())
         learner.outer_step = 4
@@ -290,39 +287,31 @@ def test_a_step_our_group_computed_otherwise_is_said_when_the_swarm_moved_on_bef
         return learner, MadeLink(5, state, {4: made or {}}), learner.global_sha256
 
     learner, link, ours = at_step_5(("fake", "peerA", "peerB"), made={"peerA": "4" * 64, "peerB": "4" * 64})
-    with caplog.at_level(logging.WARNING):
-        assert learner.catch_up(link) is True
-    assert _said(caplog) == [f"this peer's hardware computed outer step 4 differently from 2 of 2 groupmates (ours "
-                             f"{ours[:12]}, theirs {'4' * 12} in peerA's history): same inputs, other bytes; taking the "
-                             "swarm's state"]
+    said = _heals(learner, link, caplog)
+    assert said == [f"this peer's hardware computed outer step 4 differently from 2 of 2 groupmates (ours "
+                    f"{ours[:12]}, theirs {'4' * 12} in peerA's history): same inputs, other bytes; taking the "
+                    "swarm's state"]
     assert learner.arithmetic_mismatches == [4] and learner.forks_healed == 1 and learner.outer_step == 5
 
     # B computed our bytes, and the swarm went on with A's all the same: A's line, not ours
     learner, link, ours = at_step_5(("fake", "peerA", "peerB"))
     link.made = {4: {"peerA": "4" * 64, "peerB": ours}}
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert learner.catch_up(link) is True
-    assert _said(caplog) == [] and learner.arithmetic_mismatches == [] and learner.forks_healed == 1
+    assert _heals(learner, link, caplog) == [] and learner.arithmetic_mismatches == [] and learner.forks_healed == 1
     # groupmates that say nothing of step 4 (their lists no longer reach back to it): said, blaming nobody
     learner, link, ours = at_step_5(("fake", "peerA", "peerB"))
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert learner.catch_up(link) is True
-    assert _said(caplog) == [f"outer step 4 came out as other bytes on this peer than in the swarm, in a group of 3 (ours "
-                             f"{ours[:12]}, theirs {'4' * 12} in peerA's history): same inputs, other bytes, and no "
-                             "groupmate says what it computed; taking the swarm's state"]
+    said = _heals(learner, link, caplog)
+    assert said == [f"outer step 4 came out as other bytes on this peer than in the swarm, in a group of 3 (ours "
+                    f"{ours[:12]}, theirs {'4' * 12} in peerA's history): same inputs, other bytes, and no "
+                    "groupmate says what it computed; taking the swarm's state"]
     assert learner.arithmetic_mismatches == [4] and learner.forks_healed == 1
 
     # a step this peer made with A alone: nobody can tell whose hardware differs
     learner, link, ours = at_step_5(("fake", "peerA"), made={"peerA": "4" * 64})
     learner.round_history[3] = ("fake", "peerA")
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert learner.catch_up(link) is True
-    assert _said(caplog) == [f"outer step 4 came out as other bytes on this peer than on its one groupmate (ours "
-                             f"{ours[:12]}, theirs {'4' * 12} in peerA's history): same inputs, other bytes, and a group "
-                             "of two cannot tell whose hardware differs; taking the swarm's state"]
+    said = _heals(learner, link, caplog)
+    assert said == [f"outer step 4 came out as other bytes on this peer than on its one groupmate (ours "
+                    f"{ours[:12]}, theirs {'4' * 12} in peerA's history): same inputs, other bytes, and a group "
+                    "of two cannot tell whose hardware differs; taking the swarm's state"]
     assert learner.arithmetic_mismatches == [4] and learner.forks_healed == 1
 
     # the donor's history says another group made step 4 (A and B alone): a plain fork, healed, not our arithmetic
