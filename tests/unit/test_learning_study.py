@@ -410,7 +410,7 @@ def test_the_floor_at_each_length_tunes_its_own_sync_dp_then_diloco_at_h_1_from_
         assert [(r.method, r.inner_lr) for r in todo(done, steps)] == [("diloco", 4e-3)]  # its best at the bottom edge: halved
         done.append(_result("diloco", 4e-3, 2.28, **short))
         seeds = [(r.method, r.inner_lr, r.seed) for r in todo(done, steps)]
-        assert seeds == [("syncdp", 8e-3, s) for s in SEEDS[1:]] + [("diloco", 8e-3, s) for s in SEEDS[1:]]
+        assert seeds == [(method, 8e-3, s) for s in SEEDS[1:] for method in ("syncdp", "diloco")]  # pair by pair
         # the other lengths still plan their own sync DP grids from the start
         assert [(r.method, r.steps) for r in plan("floor-length", done) if r.steps != steps and r.key not in {d["key"] for d in done}] == [
             ("syncdp", other) for other in FLOOR_LENGTHS if other != steps for _ in FLOOR_LENGTH_DP_LRS]
