@@ -183,12 +183,12 @@ def _note_mismatch_in_history(learner: Learner, state: SwarmState, link: Link, t
     """As ``_note_arithmetic_mismatch``, for a fork found only in a downloaded state's history: the donor's history
     holds ``theirs`` for our outer step, and says that step was made by the very group we averaged it with."""
     step = learner.outer_step
-    ours = set(learner.round_history.get(step - 1, ()))
-    groupmates = ours - {link.peer_id}
-    if not groupmates or step in learner.arithmetic_mismatches or set(state.round_history.get(step - 1, ())) != ours:
+    group = set(learner.round_history.get(step - 1, ()))
+    groupmates = group - {link.peer_id}
+    if not groupmates or step in learner.arithmetic_mismatches or set(state.round_history.get(step - 1, ())) != group:
         return
     made = {peer: sha for peer, sha in link.made_sha256(step).items() if peer in groupmates}
-    _say_mismatch(learner, step, len(ours), made, f"{theirs[:12]} in {state.donor}'s history")
+    _say_mismatch(learner, step, len(group), made, f"{theirs[:12]} in {state.donor}'s history")
 
 
 def _say_mismatch(learner: Learner, step: int, group: int, made: dict[str, str], theirs: str) -> None:
