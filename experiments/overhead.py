@@ -1,9 +1,12 @@
 """What the swarm costs in throughput: N peers' tokens/s against the same N processes trained bare, in one run.
 
     python scripts/bench_overhead.py --out runs/overhead [--peers 3] [--inner-steps 50] [--outer-steps 6]
-        [--threads 1] [--batch-size 16] [--seq-len 128] [-- extra peer flags]
+        [--threads 1] [--batch-size 16] [--seq-len 128] [--repeats 1] [-- extra peer flags]
 
-Two phases, one after the other, on the same machine, model, data shards, batch and threads:
+Phases one after the other, on the same machine, model, data shards, batch and threads: bare, swarm, bare (and with
+``--repeats R``, R swarm phases, each between two bare phases). Each swarm phase is compared with the mean of the
+bare phases around it, so that a machine whose speed drifts over the run (a shared one does, by several percent in
+minutes) moves both sides alike; the headline is the median of the swarm phases' ratios.
 
 1. **bare**: N worker processes (``python -m experiments.overhead``, below), each the plain PyTorch loop of a peer's
    inner step (forward, backward, clip, AdamW, ``loss.item()``: ``Learner.inner_step`` without the swarm) on shard i
@@ -25,7 +28,12 @@ Two phases, one after the other, on the same machine, model, data shards, batch 
 The ratio is sum of swarm tokens/s over sum of bare tokens/s. Beside it: per peer, the fractions of its wall time
 that went to inner steps, waiting and evaluation (the init evaluation, before the clock starts, left out), and its
 tokens per second of inner-step compute alone (how much the background processes slowed the steps themselves).
-Writes ``overhead.json`` and ``overhead.md`` under ``--out``, each phase's logs and metrics in ``bare/`` and ``swarm/``.
+Each process's ratio is also factored exactly, from the CPU seconds its process spent during the steps (``cpu_s``
+of a bare worker, ``compute_cpu_s`` of a peer's records): tokens/wall = tokens per CPU second (what a token costs:
+the peer's own threads, its cache disturbed) x CPU/compute (the share of a core its steps got: what the other
+processes on the machine took) x compute/wall (the steps' share of the wall time: evaluation, outer steps, waits).
+Writes ``overhead.json`` and ``overhead.md`` under ``--out``, each phase's logs and metrics in ``bare-i/`` and
+``swarm-i/``.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -101,6 +110,8 @@ def bare_figures(record: dict) -> dict[str, Any]:
         wall_s=wall,
         tokens_per_s=_rate(tokens, wall),
         compute_tokens_per_s=_rate(tokens, record["compute_s"]),
+        cpu_tokens_per_s=_rate(tokens, record.get("cpu_s", 0.0)),
+        cpu_share=_rate(record["cpu_s"], record["compute_s"]) if record.get("cpu_s") else None,
         tokens_per_s_with_warmup=_rate(tokens + warmup_tokens, wall + record["warmup_s"]),
         warmup_s=record["warmup_s"],
         unix_start=record["unix_start"],
@@ -117,9 +128,14 @@ def swarm_figures(records: list[dict]) -> dict[str, Any]:
     if not trained or trained[-1]["time_s"] <= 0:
         raise ValueError("no record after the init record: the peer trained nothing it recorded")
     last = trained[-1]
-    base = {key: (init or {}).get(key) or 0.0 for key in ("compute_s", "blocked_s", "eval_s")}
+    base = {key: (init or {}).get(key) or 0.0 for key in ("compute_s", "compute_cpu_s", "blocked_s", "eval_s")}
     wall = last["time_s"]
     compute, blocked, evaluating = (last[key] - base[key] for key in ("compute_s", "blocked_s", "eval_s"))
+    cpu = last.get("compute_cpu_s", 0.0) - base["compute_cpu_s"]  # 0 from a peer that predates the field
+    # the peer's DHT, averager and p2pd processes: their CPU over the same window, per minute
+    # (from the init record's moment to the last one's: the init record's wait for peers is in the window too)
+    background = [None if r is None else r.get("background_cpu_s") for r in (init, last)]
+    window = last["unix_time"] - init["unix_time"] if init is not None else 0.0
     return dict(
         outer_steps=last["outer_step"],
         rounds_ok=sum(r.get("status") == "ok" for r in trained),
@@ -128,6 +144,10 @@ def swarm_figures(records: list[dict]) -> dict[str, Any]:
         wall_s=wall,
         tokens_per_s=_rate(last["tokens"], wall),
         compute_tokens_per_s=_rate(last["tokens"], compute),
+        cpu_tokens_per_s=_rate(last["tokens"], cpu),
+        cpu_share=_rate(cpu, compute) if cpu > 0 else None,
+        background_cpu_s_per_min=(60 * (background[1] - background[0]) / window
+                                  if None not in background and window > 0 else None),
         compute_fraction=compute / wall,
         blocked_fraction=blocked / wall,
         eval_fraction=evaluating / wall,
@@ -148,6 +168,30 @@ def concurrency(windows: list[tuple[float, float]]) -> float | None:
     return max(together, 0.0) / mean if mean > 0 else None
 
 
+RATES = ("tokens_per_s", "compute_tokens_per_s", "cpu_tokens_per_s", "cpu_share")
+
+
+def bracket(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Each bare process's rates as the mean of the bare phases before and after a swarm phase (figures by name), so
+    that a machine that drifts in speed over the run (a shared machine does) moves both sides alike. A process that
+    one side lacks takes the other's; a rate that either side lacks is left out (None)."""
+    merged = {}
+    for name in sorted({*before, *after}):
+        sides = [f for f in (before.get(name), after.get(name)) if f is not None]
+        figures = dict(sides[0])
+        for key in RATES:
+            values = [f.get(key) for f in sides]
+            figures[key] = sum(values) / len(values) if all(v is not None for v in values) else None
+        merged[name] = figures
+    return merged
+
+
+def bare_sum(figures: dict[str, dict]) -> float | None:
+    """The bare processes' tokens/s in all (None if one has none)."""
+    values = [f.get("tokens_per_s") for f in figures.values()]
+    return sum(values) if values and all(v is not None for v in values) else None
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -166,6 +210,15 @@ def summarise(bare: dict[str, dict], swarm: dict[str, dict], peers: int) -> dict
             bare_compute_tokens_per_s=b and b["compute_tokens_per_s"],
             swarm_compute_tokens_per_s=s and s["compute_tokens_per_s"],
             compute_ratio=_ratio(s and s["compute_tokens_per_s"], b and b["compute_tokens_per_s"]),
+            # the ratio, factored exactly (tokens/wall = tokens/CPU x CPU/compute x compute/wall): what a token
+            # costs in CPU, the share of a core the steps got, the steps' share of the wall time (bare: ~1)
+            cpu_cost_factor=_ratio(s and s["cpu_tokens_per_s"], b and b["cpu_tokens_per_s"]),
+            cpu_share_factor=_ratio(s and s["cpu_share"], b and b["cpu_share"]),
+            steps_share_factor=_ratio(s and _ratio(s["tokens_per_s"], s["compute_tokens_per_s"]),
+                                      b and _ratio(b["tokens_per_s"], b["compute_tokens_per_s"])),
+            swarm_background_cpu_s_per_min=s and s["background_cpu_s_per_min"],
+            bare_cpu_share=b and b["cpu_share"],
+            swarm_cpu_share=s and s["cpu_share"],
             swarm_blocked_fraction=s and s["blocked_fraction"],
             swarm_eval_fraction=s and s["eval_fraction"],
             swarm_other_fraction=s and s["other_fraction"],
@@ -196,19 +249,23 @@ def _cell(value: float | None, form: str) -> str:
 def markdown_table(summary: dict[str, Any]) -> str:
     lines = [
         "| process | bare tok/s | swarm tok/s | swarm / bare | compute tok/s bare | compute tok/s swarm | "
-        "swarm blocked | swarm eval | swarm other |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "swarm blocked | swarm eval | swarm other | = tokens per CPU s | x core share (bare -> swarm) | x steps' share of wall "
+        "| background CPU s/min |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in summary["per_process"]:
         lines.append(
             f"| {r['process']} | {_cell(r['bare_tokens_per_s'], ',.0f')} | {_cell(r['swarm_tokens_per_s'], ',.0f')} | "
             f"{_cell(r['ratio'], '.3f')} | {_cell(r['bare_compute_tokens_per_s'], ',.0f')} | "
             f"{_cell(r['swarm_compute_tokens_per_s'], ',.0f')} | {_cell(r['swarm_blocked_fraction'], '.1%')} | "
-            f"{_cell(r['swarm_eval_fraction'], '.1%')} | {_cell(r['swarm_other_fraction'], '.1%')} |"
+            f"{_cell(r['swarm_eval_fraction'], '.1%')} | {_cell(r['swarm_other_fraction'], '.1%')} | "
+            f"{_cell(r['cpu_cost_factor'], '.3f')} | {_cell(r['cpu_share_factor'], '.3f')} "
+            f"({_cell(r['bare_cpu_share'], '.3f')} -> {_cell(r['swarm_cpu_share'], '.3f')}) | "
+            f"{_cell(r['steps_share_factor'], '.3f')} | {_cell(r['swarm_background_cpu_s_per_min'], '.2f')} |"
         )
     s = summary
     lines.append(f"| **sum** | {_cell(s['bare_tokens_per_s_sum'], ',.0f')} | {_cell(s['swarm_tokens_per_s_sum'], ',.0f')} | "
-                 f"**{_cell(s['ratio'], '.3f')}** | | | | | |")
+                 f"**{_cell(s['ratio'], '.3f')}** | | | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -283,17 +340,17 @@ def worker_main(argv: list[str] | None = None, prog: str = "python -m experiment
         inner_step()
     warmup_s = time.monotonic() - warmup_started
     tokens, losses, compute_s = 0, [], 0.0
-    unix_start, started = time.time(), time.monotonic()
+    unix_start, started, cpu_started = time.time(), time.monotonic(), time.process_time()
     for _ in range(args.steps):
         step_tokens, loss, seconds = inner_step()
         tokens += step_tokens
         losses.append(loss)
         compute_s += seconds
-    wall_s = time.monotonic() - started
+    wall_s, cpu_s = time.monotonic() - started, time.process_time() - cpu_started
     record = dict(
         status="bare", shard_index=config.data.shard_index, steps=args.steps, warmup_steps=args.warmup_steps,
         tokens_per_step=dataset.train.tokens_per_batch, tokens=tokens, wall_s=round(wall_s, 4),
-        compute_s=round(compute_s, 4), warmup_s=round(warmup_s, 4), unix_start=round(unix_start, 3),
+        compute_s=round(compute_s, 4), cpu_s=round(cpu_s, 4), warmup_s=round(warmup_s, 4), unix_start=round(unix_start, 3),
         unix_end=round(unix_start + wall_s, 3), loss=sum(losses) / len(losses), threads=torch.get_num_threads(),
         device=str(island.device), tokens_per_s=round(tokens / wall_s, 1),
     )
@@ -395,6 +452,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default 16)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps of each bare process first (default 2)")
+    parser.add_argument("--repeats", type=int, default=1, help="swarm phases, each between two bare phases (bare, "
+                        "swarm, bare, swarm, ..., bare); the ratio is the median of theirs (default 1)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit of each phase once started (default 1800)")
     return parser
 
@@ -404,8 +463,8 @@ def _check_peer_flags(args: argparse.Namespace, flags: list[str]) -> None:
     from p2p_diloco.cli.flags import OneLineParser, add_peer_flags, overrides_from
     from p2p_diloco.core.config_load import build_config
 
-    if args.peers < 1 or args.inner_steps < 1 or args.outer_steps < 1 or args.warmup_steps < 0:
-        raise ValueError("--peers, --inner-steps and --outer-steps must be >= 1, --warmup-steps >= 0")
+    if min(args.peers, args.inner_steps, args.outer_steps, args.repeats) < 1 or args.warmup_steps < 0:
+        raise ValueError("--peers, --inner-steps, --outer-steps and --repeats must be >= 1, --warmup-steps >= 0")
     parser = OneLineParser(prog="peer flags")
     parser.add_argument("--config")
     add_peer_flags(parser)
@@ -434,28 +493,55 @@ def main(argv: list[str] | None = None, prog: str = "bench_overhead.py") -> int:
         batch_size=args.batch_size, seq_len=args.seq_len, extra_peer_flags=extra, peer_flags=peer_flags,
         cpu_count=os.cpu_count(),
     )
-    print(f"bare: {args.peers} processes x {settings['bare_steps']} steps (after {args.warmup_steps} warm-up steps)", flush=True)
-    bare, bare_info = run_bare(out / "bare", bare_flags(args, extra, out / "bare" / GO_FILE), args.peers, args.timeout_s)
-    for name, f in sorted(bare.items()):
-        print(f"  {name}: {f['tokens']:,} tokens in {f['wall_s']:.2f} s = {f['tokens_per_s']:,.0f} tokens/s", flush=True)
-    print(f"swarm: {args.peers} peers, H = {args.inner_steps}, {args.outer_steps} outer steps", flush=True)
-    swarm, swarm_info = run_swarm(out / "swarm", peer_flags, args.peers, args.timeout_s)
-    for name, f in sorted(swarm.items()):
-        print(f"  {name}: {f['tokens']:,} tokens in {f['wall_s']:.2f} s = {f['tokens_per_s']:,.0f} tokens/s "
-              f"({f['outer_steps']} outer steps, blocked {f['blocked_fraction']:.1%}, eval {f['eval_fraction']:.1%})",
-              flush=True)
-    summary = summarise(bare, swarm, args.peers)
-    result = dict(settings=settings, summary=summary, bare=dict(processes=bare, **bare_info),
-                  swarm=dict(processes=swarm, **swarm_info))
-    table = markdown_table(summary)
-    headline = (f"swarm / bare tokens/s = {_cell(summary['ratio'], '.3f')} ({args.peers} processes, "
-                f"{args.threads} thread(s) each, batch {args.batch_size} x {args.seq_len}, H = {args.inner_steps}, "
-                f"{args.outer_steps} outer steps)")
+    print(f"{args.repeats} swarm phase(s), each between two bare phases: bare {args.peers} processes x "
+          f"{settings['bare_steps']} steps (after {args.warmup_steps} warm-up steps); swarm {args.peers} peers, "
+          f"H = {args.inner_steps}, {args.outer_steps} outer steps", flush=True)
+    bares: list[tuple[dict, dict]] = []
+    swarms: list[tuple[dict, dict]] = []
+
+    def bare_phase(index: int) -> None:
+        folder = out / f"bare-{index}"
+        bares.append(run_bare(folder, bare_flags(args, extra, folder / GO_FILE), args.peers, args.timeout_s))
+        for name, f in sorted(bares[-1][0].items()):
+            print(f"  bare {index}, {name}: {f['tokens']:,} tokens in {f['wall_s']:.2f} s = {f['tokens_per_s']:,.0f} "
+                  f"tokens/s (core share {_cell(f['cpu_share'], '.3f')})", flush=True)
+
+    bare_phase(1)
+    for index in range(1, args.repeats + 1):
+        swarms.append(run_swarm(out / f"swarm-{index}", peer_flags, args.peers, args.timeout_s))
+        for name, f in sorted(swarms[-1][0].items()):
+            print(f"  swarm {index}, {name}: {f['tokens']:,} tokens in {f['wall_s']:.2f} s = {f['tokens_per_s']:,.0f} "
+                  f"tokens/s ({f['outer_steps']} outer steps, blocked {f['blocked_fraction']:.1%}, "
+                  f"eval {f['eval_fraction']:.1%}, core share {_cell(f['cpu_share'], '.3f')})", flush=True)
+        bare_phase(index + 1)
+    repeats = []
+    for index, (swarm, _) in enumerate(swarms):
+        bare = bracket(bares[index][0], bares[index + 1][0])
+        repeats.append(dict(summary=summarise(bare, swarm, args.peers), bare_before=bare_sum(bares[index][0]),
+                            bare_after=bare_sum(bares[index + 1][0])))
+    ratios = [r["summary"]["ratio"] for r in repeats]
+    ratio = statistics.median(ratios) if all(x is not None for x in ratios) else None
+    summary = dict(repeats=repeats, ratio=ratio, ratios=ratios,
+                   complete=all(r["summary"]["complete"] for r in repeats))
+    result = dict(settings=settings, summary=summary,
+                  bare=[dict(processes=figures, **info) for figures, info in bares],
+                  swarm=[dict(processes=figures, **info) for figures, info in swarms])
+    tables = []
+    for index, r in enumerate(repeats, start=1):
+        tables.append(f"swarm {index} against the mean of the bare phases before and after it "
+                      f"({_cell(r['bare_before'], ',.0f')} and {_cell(r['bare_after'], ',.0f')} tokens/s):\n\n"
+                      f"{markdown_table(r['summary'])}")
+    table = "\n".join(tables)
+    each = ", ".join(_cell(x, ".3f") for x in ratios)
+    headline = (f"swarm / bare tokens/s = {_cell(ratio, '.3f')}{f' (median of {each})' if len(ratios) > 1 else ''} "
+                f"({args.peers} processes, {args.threads} thread(s) each, batch {args.batch_size} x {args.seq_len}, "
+                f"H = {args.inner_steps}, {args.outer_steps} outer steps)")
     (out / "overhead.json").write_text(json.dumps(result, indent=1))
     (out / "overhead.md").write_text(f"{headline}\n\n{table}")
     print(f"\n{table}\n{headline}", flush=True)
-    left = bare_info["process_groups_left"] + swarm_info["process_groups_left"]
-    errors = {**bare_info.get("errors", {}), **swarm_info.get("errors", {})}
+    left = [name for _, info in [*bares, *swarms] for name in info["process_groups_left"]]
+    errors = {f"{phase} {index}, {name}": error for phase, phases in (("bare", bares), ("swarm", swarms))
+              for index, (_, info) in enumerate(phases, start=1) for name, error in info.get("errors", {}).items()}
     for name, error in errors.items():
         print(f"{prog}: {name}: {error}", file=sys.stderr, flush=True)
     if left:

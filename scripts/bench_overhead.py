@@ -1,6 +1,7 @@
 """The ratio of a local swarm's tokens/s to the same N processes trained bare (no communication), in one run:
 ``python scripts/bench_overhead.py --out runs/overhead [--peers 3] [--inner-steps 50] [--outer-steps 6] [--threads 1]
-[--batch-size 16] [--seq-len 128] [-- extra peer flags]``. Writes ``overhead.json`` and ``overhead.md``."""
+[--batch-size 16] [--seq-len 128] [--repeats 1] [-- extra peer flags]``: bare, swarm, bare (R swarm phases with
+``--repeats R``), each swarm against the bare phases around it. Writes ``overhead.json`` and ``overhead.md``."""
 
 import sys
 from pathlib import Path

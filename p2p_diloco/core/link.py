@@ -94,6 +94,8 @@ class Link(Protocol):
 
     def states_served(self) -> tuple[int, int]: ...
 
+    def background_cpu_s(self) -> float | None: ...
+
     def close(self) -> None: ...
 
 
@@ -130,6 +132,9 @@ class ImmediateAveraging:
 
     def norm_reference(self, outer_step: int, own_norm: float, own_tokens: float = 0.0) -> float | None:
         return None
+
+    def background_cpu_s(self) -> float | None:
+        return None  # no processes beside the training
 
 
 class LocalLink(ImmediateAveraging):

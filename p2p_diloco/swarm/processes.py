@@ -85,6 +85,22 @@ def descendants(root: int | None = None) -> list[int]:
     return found
 
 
+def cpu_seconds(pids: list[int]) -> float | None:
+    """CPU seconds (user and system) that ``pids`` and their descendants have used so far, children they already
+    reaped included (Linux /proc; elsewhere None). A process gone meanwhile counts nothing."""
+    if not os.path.isdir("/proc"):
+        return None
+    ticks = 0
+    for pid in [*pids, *(child for root in pids for child in descendants(root))]:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def reap_descendants() -> int:
     """SIGKILL every process descended from this one (Linux /proc; elsewhere nothing); returns how many."""
     found = descendants()

@@ -32,7 +32,7 @@ from p2p_diloco.swarm.guarded import GuardedAllReduceRunner, GuardedAverager
 from p2p_diloco.swarm.hivemind_api import CALL_FAILED
 from p2p_diloco.swarm.joining import SwarmStartError, first_line, join_swarm, peer_ids_in
 from p2p_diloco.swarm.membership import RunMembership
-from p2p_diloco.swarm.processes import close_dht, kill_if_alive, lower_priority, lower_this_thread
+from p2p_diloco.swarm.processes import close_dht, cpu_seconds, kill_if_alive, lower_priority, lower_this_thread
 from p2p_diloco.swarm.progress import ProgressBeacon, ProgressReader
 from p2p_diloco.swarm.round import run_averaging
 from p2p_diloco.swarm.wire import WireCodec, part_norms_of, part_values_for
@@ -359,6 +359,12 @@ class SwarmLink:
     def states_served(self) -> tuple[int, int]:
         """States this peer's averager served to peers catching up, and their bytes (what its rounds do not count)."""
         return self._averager.traffic.served() if self._averager is not None else (0, 0)
+
+    def background_cpu_s(self) -> float | None:
+        """CPU seconds this peer's DHT and averager processes and theirs (``p2pd``) have used since they started:
+        what the peer's background takes from a busy machine (docs/benchmarks.md, "Where a peer's time goes")."""
+        pids = [p.pid for p in (self.dht, self._averager) if p is not None and p.pid is not None]
+        return cpu_seconds(pids) if pids else None
 
     # state download -------------------------------------------------------------------------------
 

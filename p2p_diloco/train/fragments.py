@@ -38,11 +38,11 @@ def partition_fragments(params: list[torch.Tensor], count: int) -> list[list[Seg
 class Fragments:
     """The params split into P fragments: outer step r averages fragment ``r % P``. Also counts, per fragment, the
     tokens of local progress not yet synced into it (what its next outer gradient carries), and packs a fragment's
-    1-D pieces into the one template every averaging carries. With P = 1 the template is the params' own shapes."""
+    1-D pieces into the one flat template every averaging carries."""
 
     def __init__(self, params: list[torch.Tensor], count: int):
-        self._params = params
         self.parts = partition_fragments(params, count)
+        self._size = max(sum(s.stop - s.start for s in f) for f in self.parts)  # the template's values
         self.unsynced = [0] * count  # tokens of local progress not yet in each fragment
 
     def __len__(self) -> int:
@@ -66,22 +66,20 @@ class Fragments:
         self.unsynced[index] -= tokens
 
     def template(self) -> list[torch.Tensor]:
-        """The tensors one averaging carries: the params themselves, or one flat buffer that fits any fragment."""
-        if len(self.parts) == 1:
-            return [torch.zeros_like(p) for p in self._params]
-        return [torch.zeros(max(sum(s.stop - s.start for s in f) for f in self.parts))]
+        """The tensors one averaging carries: one flat buffer that fits any fragment, with P = 1 too. hivemind cuts
+        each tensor of an averaging into parts on its own, so the built-in model's 52 tensors (34 of them of 128 to
+        512 values) made 73 parts, each a message to its reducer and one back; one buffer makes 32, and a peer's
+        background spent ~12% less CPU (docs/benchmarks.md, "Where a peer's time goes")."""
+        return [torch.zeros(self._size)]
 
     def pack(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         """1-D pieces of one fragment -> the averaging template's tensors."""
-        if len(self.parts) == 1:  # whole tensors: keep their shapes
-            return [piece.view(param.shape) for piece, param in zip(pieces, self._params)]
-        (template,) = self.template()
         flat = torch.cat(pieces)
-        return [torch.cat([flat, template[flat.numel() :]])]  # zero padding: fragments differ by a few values at most
+        if flat.numel() < self._size:  # zero padding: fragments differ by a few values at most
+            flat = torch.cat([flat, flat.new_zeros(self._size - flat.numel())])
+        return [flat]
 
     def unpack(self, averaged: list[torch.Tensor], segments: list[Segment]) -> list[torch.Tensor]:
         """The averaging template's tensors -> 1-D pieces, one per segment of the fragment."""
-        if len(self.parts) == 1:
-            return [tensor.reshape(-1) for tensor in averaged]
         sizes = [s.stop - s.start for s in segments]
         return list(averaged[0][: sum(sizes)].split(sizes))

@@ -115,6 +115,9 @@ class Learner:
         self.rounds = Rounds(config.inner, dataset.train.tokens_per_batch, len(self.fragments))
         self.send_rate = SendRate()  # the largest ~1 s burst of averaging traffic since the last record
         self.compute_s = self.blocked_s = 0.0
+        # this process's CPU seconds during inner steps (all its threads): over compute_s, the share of a core its
+        # steps got; tokens over it, what a token costs in CPU (scripts/bench_overhead.py splits its loss by these)
+        self.compute_cpu_s = 0.0
         self.eval_s = 0.0  # time spent evaluating: measurement, neither training nor waiting
         self.last_eval_s = 0.0  # how long the last evaluation took (the next one's expected cost)
         self.last_record_s = 0.0  # seconds since start at the last metrics record
@@ -244,7 +247,7 @@ class Learner:
         return self.stop.is_set()
 
     def inner_step(self, link: Link) -> None:
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
         self.model.train()
         inputs, targets = self.dataset.train.next_batch()
         with self.island.autocast():
@@ -263,6 +266,7 @@ class Learner:
         elapsed = time.monotonic() - started
         tokens = inputs.numel() * self.island.size  # the island's tokens: every rank read a batch of its own sub-shard
         self.compute_s += elapsed
+        self.compute_cpu_s += time.process_time() - cpu_started
         self.tokens_total += tokens
         self.fragments.trained(tokens)
         self.rounds.trained(tokens)

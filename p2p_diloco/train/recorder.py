@@ -117,6 +117,7 @@ def write_record(
     weight = pending.weight if pending else 0.0
     sent_total, received_total = link.traffic()
     states_served, state_bytes_served = link.states_served()
+    background_cpu_s = link.background_cpu_s()
     record = dict(
         peer_id=link.peer_id,
         outer_step=learner.outer_step,
@@ -149,6 +150,9 @@ def write_record(
         fragment=pending.fragment if pending else None,
         peak_send_bytes_per_s=round(learner.send_rate.take()),
         compute_s=round(learner.compute_s, 4),
+        compute_cpu_s=round(learner.compute_cpu_s, 4),
+        # CPU seconds of this peer's DHT, averager and p2pd processes since they started (None: none, or not Linux)
+        background_cpu_s=None if background_cpu_s is None else round(background_cpu_s, 2),
         blocked_s=round(learner.blocked_s, 4),
         eval_s=round(learner.eval_s, 4),
         interval_compute_s=round(interval.compute_s, 4),

@@ -39,6 +39,11 @@ def snapshot(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().clone() for t in tensors]
 
 
+def flat(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-param tensors in the form an averaging carries them: one flat buffer (train/fragments.py, P = 1)."""
+    return [torch.cat([t.detach().reshape(-1) for t in tensors])]
+
+
 def assert_all_close(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor], **tolerances) -> None:
     assert len(actual) == len(expected)
     for index, (a, e) in enumerate(zip(actual, expected, strict=True)):

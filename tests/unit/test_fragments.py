@@ -8,7 +8,7 @@ import torch
 from p2p_diloco.core.config import InnerConfig, OuterConfig, RunConfig
 from p2p_diloco.core.link import LocalLink
 from p2p_diloco.observe.metrics import NullSink
-from p2p_diloco.train.fragments import partition_fragments
+from p2p_diloco.train.fragments import Fragments, partition_fragments
 from p2p_diloco.train.learner import Learner
 from p2p_diloco.train.recorder import SendRate
 
@@ -46,6 +46,24 @@ def test_a_tensor_larger_than_a_share_is_cut_into_contiguous_slices():
 def test_one_fragment_is_the_whole_tensors():
     params = [torch.zeros(2, 3), torch.zeros(4)]
     assert partition_fragments(params, 1) == [[(0, 0, 6), (1, 0, 4)]]
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_an_averaging_carries_one_flat_buffer_and_unpacks_to_each_segment(count):
+    """One buffer, with one fragment too: hivemind cuts each tensor of an averaging into parts of its own, so the
+    params' small tensors would each be a message (train/fragments.py)."""
+    params = [torch.arange(6.0).view(2, 3), torch.arange(4.0) + 10, torch.arange(5.0) + 20]
+    fragments = Fragments(params, count)
+    (template,) = fragments.template()
+    assert template.dim() == 1 and template.numel() == max(sum(s.stop - s.start for s in f) for f in fragments)
+    for segments in fragments:
+        pieces = [s.of(params) for s in segments]
+        (packed,) = fragments.pack(pieces)
+        assert packed.shape == template.shape and not any(packed.data_ptr() == p.data_ptr() for p in params)
+        assert all(torch.equal(a, b) for a, b in zip(fragments.unpack([packed], segments), pieces, strict=True))
+    if count == 1:
+        assert template.numel() == 15 and torch.equal(fragments.pack([s.of(params) for s in fragments[0]])[0],
+                                                      torch.cat([p.reshape(-1) for p in params]))
 
 
 def test_more_fragments_than_values_is_refused():

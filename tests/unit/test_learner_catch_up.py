@@ -15,7 +15,7 @@ from p2p_diloco.core.outer import OuterOptimizer, state_sha256
 from p2p_diloco.observe.metrics import NullSink
 from p2p_diloco.train.learner import Learner, PendingAveraging
 
-from .helpers import assert_all_close, make_dataset, snapshot
+from .helpers import assert_all_close, flat, make_dataset, snapshot
 
 H, BATCH = 4, 2
 LOCAL_STEPS = 2  # inner steps of local progress before the swarm's state arrives
@@ -181,7 +181,7 @@ def test_round_end_catches_up_before_taking_the_outer_gradient(make_config):
     assert len(link.averaged) == 1
     call = link.averaged[0]
     assert call["outer_step"] == 4 and call["weight"] == float(unsynced)
-    assert_all_close(call["tensors"], [g - lo for g, lo in zip(old_global, old_local, strict=True)])
+    assert_all_close(call["tensors"], flat([g - lo for g, lo in zip(old_global, old_local, strict=True)]))
     assert learner.outer_step == 5 and learner.pending is None  # the group of one answered at once
     assert learner.tokens_unsynced == 0 and learner.rounds.tokens == 0 and learner.rounds.steps == 0
 
@@ -296,7 +296,7 @@ def test_a_next_step_that_a_dominated_group_computed_is_refused_against_the_swar
     optimizer.step(pushed, pending.segments)
     state = SwarmState(1, params, optimizer.momentum_buffers, 1, 0, state_sha256(params, optimizer.momentum_buffers),
                        donor="colluder", parent_sha256=learner.global_sha256,
-                       last_average=[p.view(g.shape) for p, g in zip(pushed, learner.global_params)], how="next")
+                       last_average=[torch.cat(pushed)], how="next")
     ours = learner.global_sha256
 
     refusing = NextStepLink(state, reference=sent_norm)  # the swarm's outer gradients are the size of ours
@@ -341,7 +341,7 @@ def test_a_fork_won_on_a_tie_is_taken_only_within_one_honest_round_and_a_refused
         params, momentum = [p.clone() for p in parent_params], [m.clone() for m in parent_momentum]
         optimizer = OuterOptimizer(params, learner.config.outer)
         optimizer.load_state(momentum, 0)
-        optimizer.step(average)
+        optimizer.step(learner.fragments.unpack(average, learner.fragments[0]), learner.fragments[0])
         return SwarmState(1, params, optimizer.momentum_buffers, 1, 0, state_sha256(params, optimizer.momentum_buffers),
                           donor="other-side")
 

@@ -20,7 +20,7 @@ from p2p_diloco.core.outer import OuterOptimizer, state_sha256
 from p2p_diloco.observe.metrics import NullSink
 from p2p_diloco.train.learner import Learner
 
-from .helpers import assert_all_close, make_dataset, plain_adamw, snapshot
+from .helpers import assert_all_close, flat, make_dataset, plain_adamw, snapshot
 
 H, BATCH, SEQ = 2, 2, 16
 BATCH_TOKENS = BATCH * SEQ
@@ -93,6 +93,9 @@ class FakeLink:
     def states_served(self) -> tuple[int, int]:
         return 0, 0
 
+    def background_cpu_s(self) -> float | None:
+        return None
+
     def close(self) -> None:
         pass
 
@@ -151,7 +154,7 @@ def test_inner_steps_run_while_averaging_and_their_work_is_kept(make_config):
     assert len(link.calls) == 1
     assert link.calls[0]["outer_step"] == 0 and link.calls[0]["weight"] == float(H * BATCH_TOKENS)
     assert_all_close(pending.snapshot, [t.reshape(-1) for t in local_at_round_end], rtol=0, atol=0)
-    assert_all_close(link.calls[0]["tensors"], [g - s for g, s in zip(global_before, local_at_round_end, strict=True)])
+    assert_all_close(link.calls[0]["tensors"], flat([g - s for g, s in zip(global_before, local_at_round_end, strict=True)]))
     assert learner.round_index == 1 and learner.rounds.tokens == 0  # our tokens now count towards the next round
 
     during = 3
@@ -166,7 +169,7 @@ def test_inner_steps_run_while_averaging_and_their_work_is_kept(make_config):
 
     averaged = _known_average(learner)
     local_before_completion = snapshot(learner.params)
-    pending.future.set_result(AveragingOutcome(snapshot(averaged), ("fake", "other"), 2.0 * pending.weight, "ok"))
+    pending.future.set_result(AveragingOutcome(flat(averaged), ("fake", "other"), 2.0 * pending.weight, "ok"))
     learner.complete_averaging(link)
 
     expected_global = snapshot(global_before)
@@ -208,7 +211,7 @@ def test_failed_averaging_in_flight_keeps_everything_for_the_next_round(make_con
     learner.end_round(link)  # the next outer gradient carries both rounds' progress and tokens (a retry of step 0)
     assert link.calls[1]["outer_step"] == 0 and link.calls[1]["weight"] == float(2 * H * BATCH_TOKENS)
     assert learner.pending is not None and learner.pending.tokens_behind == 2 * H * BATCH_TOKENS
-    assert_all_close(link.calls[1]["tensors"], [g - lo for g, lo in zip(global_before, local_before, strict=True)])
+    assert_all_close(link.calls[1]["tensors"], flat([g - lo for g, lo in zip(global_before, local_before, strict=True)]))
 
 
 def test_a_retry_of_the_same_step_ended_at_once_still_weighs_the_whole_round(make_config):
@@ -261,7 +264,7 @@ def test_round_end_waits_for_the_averaging_still_in_flight(make_config):
     for _ in range(H):
         learner.inner_step(link)
     first = learner.pending
-    outcome = AveragingOutcome(_known_average(learner), ("fake",), first.weight, "ok")
+    outcome = AveragingOutcome(flat(_known_average(learner)), ("fake",), first.weight, "ok")
     timer = threading.Timer(0.2, first.future.set_result, args=(outcome,))
     timer.start()
     try:

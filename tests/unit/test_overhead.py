@@ -4,13 +4,20 @@ records and metrics records, the sums and the ratio, the table; the runs themsel
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from experiments.overhead import (
+    _check_peer_flags,
+    _parser,
     bare_figures,
     bare_flags,
+    bare_sum,
+    bracket,
     concurrency,
     markdown_table,
     split_argv,
@@ -18,6 +25,7 @@ from experiments.overhead import (
     swarm_figures,
     swarm_flags,
 )
+from p2p_diloco.swarm.processes import cpu_seconds
 
 
 def _args(**changes) -> argparse.Namespace:
@@ -25,22 +33,25 @@ def _args(**changes) -> argparse.Namespace:
     return argparse.Namespace(**{**values, **changes})
 
 
-def _bare_record(tokens_per_s: float, steps: int = 300, start: float = 1000.0) -> dict:
+def _bare_record(tokens_per_s: float, steps: int = 300, start: float = 1000.0, cpu_share: float = 0.6) -> dict:
     tokens = steps * 2048
     wall = tokens / tokens_per_s
     return dict(status="bare", steps=steps, warmup_steps=2, tokens_per_step=2048, tokens=tokens, wall_s=wall,
-                compute_s=0.98 * wall, warmup_s=1.0, unix_start=start, unix_end=start + wall)
+                compute_s=0.98 * wall, cpu_s=cpu_share * 0.98 * wall, warmup_s=1.0, unix_start=start,
+                unix_end=start + wall)
 
 
 def _peer_records(tokens: int, wall: float, compute: float, blocked: float, eval_s: float, init_eval: float = 0.5,
-                  start: float = 1000.0) -> list[dict]:
+                  start: float = 1000.0, cpu: float = 0.0) -> list[dict]:
     """An init record (its evaluation before the clock starts), a middle record and the last one."""
     init = dict(status="init", outer_step=0, time_s=init_eval, unix_time=start - 2.0, tokens=0, inner_steps=0,
-                compute_s=0.0, blocked_s=0.0, eval_s=init_eval)
+                compute_s=0.0, compute_cpu_s=0.0, blocked_s=0.0, eval_s=init_eval, background_cpu_s=3.0)
     middle = dict(status="ok", outer_step=1, time_s=wall / 2, unix_time=start + wall / 2, tokens=tokens // 2,
-                  inner_steps=150, compute_s=compute / 2, blocked_s=blocked / 2, eval_s=init_eval + eval_s / 2)
+                  inner_steps=150, compute_s=compute / 2, compute_cpu_s=cpu / 2, blocked_s=blocked / 2,
+                  eval_s=init_eval + eval_s / 2)
     last = dict(status="ok", outer_step=2, time_s=wall, unix_time=start + wall, tokens=tokens, inner_steps=160,
-                compute_s=compute, blocked_s=blocked, eval_s=init_eval + eval_s)
+                compute_s=compute, compute_cpu_s=cpu, blocked_s=blocked, eval_s=init_eval + eval_s,
+                background_cpu_s=3.0 + (wall + 2.0) / 30)  # 2 s per minute since the init record
     return [init, middle, last]
 
 
@@ -77,6 +88,7 @@ def test_swarm_rate_and_fractions_leave_the_init_evaluation_out():
     assert f["other_fraction"] == pytest.approx(0.05)
     assert f["steps"] == 310 and f["outer_steps"] == 2 and f["rounds_ok"] == 2
     assert f["unix_start"] == pytest.approx(1000.0) and f["unix_end"] == pytest.approx(1080.0)
+    assert f["background_cpu_s_per_min"] == pytest.approx(2.0)  # over the window from the init record on
     with pytest.raises(ValueError):
         swarm_figures(_peer_records(1, 1.0, 1.0, 0.0, 0.0)[:1])  # the init record alone: nothing trained
 
@@ -97,6 +109,25 @@ def test_sums_and_ratio():
     assert "| 1 | 10,000 | 9,000 | 0.900 |" in table
 
 
+def test_the_three_factors_multiply_to_the_ratio():
+    """tokens/wall = tokens/CPU x CPU/compute x compute/wall, in each phase: the factors split a loss exactly."""
+    bare = {"bare0": bare_figures(_bare_record(10_000.0, cpu_share=0.66))}
+    # swarm: 8,000 tokens/s; steps 90% of the wall; a core share of 0.6; tokens per CPU s 720k / 43.2 s
+    swarm = {"peer0": swarm_figures(_peer_records(720_000, 90.0, 81.0, 0.0, 4.0, cpu=0.6 * 81.0))}
+    row = summarise(bare, swarm, peers=1)["per_process"][0]
+    assert row["cpu_share_factor"] == pytest.approx(0.6 / 0.66)
+    assert row["steps_share_factor"] == pytest.approx(0.9 / 0.98)
+    assert row["cpu_cost_factor"] == pytest.approx((720_000 / (0.6 * 81.0)) / (10_000.0 / (0.98 * 0.66)))
+    assert row["cpu_cost_factor"] * row["cpu_share_factor"] * row["steps_share_factor"] == pytest.approx(row["ratio"])
+    assert "0.660 -> 0.600" in markdown_table(summarise(bare, swarm, peers=1))
+    # a peer from before the CPU field: the factors are left out, not made up
+    old = {"peer0": swarm_figures([{k: v for k, v in r.items() if k != "compute_cpu_s"}
+                                   for r in _peer_records(720_000, 90.0, 81.0, 0.0, 4.0)])}
+    old_row = summarise(bare, old, peers=1)["per_process"][0]
+    assert old_row["cpu_cost_factor"] is None and old_row["cpu_share_factor"] is None
+    assert old_row["ratio"] == pytest.approx(row["ratio"])
+
+
 def test_a_missing_process_leaves_the_sum_out_instead_of_understating_it():
     bare = {"bare0": bare_figures(_bare_record(10_000.0)), "bare1": bare_figures(_bare_record(10_000.0))}
     swarm = {"peer0": swarm_figures(_peer_records(640_000, 80.0, 64.0, 8.0, 4.0))}
@@ -107,8 +138,44 @@ def test_a_missing_process_leaves_the_sum_out_instead_of_understating_it():
     assert "| 1 | 10,000 | — | — |" in markdown_table(s)
 
 
+def test_a_swarm_phase_is_compared_with_the_mean_of_the_bare_phases_around_it():
+    before = {"bare0": bare_figures(_bare_record(10_000.0, cpu_share=0.6)), "bare1": bare_figures(_bare_record(8_000.0))}
+    after = {"bare0": bare_figures(_bare_record(12_000.0, cpu_share=0.66))}  # the machine sped up; bare1 failed
+    merged = bracket(before, after)
+    assert merged["bare0"]["tokens_per_s"] == pytest.approx(11_000.0)
+    assert merged["bare0"]["cpu_share"] == pytest.approx(0.63)
+    assert merged["bare1"]["tokens_per_s"] == pytest.approx(8_000.0)  # one side only: that side's figure
+    no_cpu = {"bare0": {**before["bare0"], "cpu_share": None, "cpu_tokens_per_s": None}}
+    assert bracket(no_cpu, after)["bare0"]["cpu_share"] is None  # not half a figure
+    assert bare_sum(before) == pytest.approx(18_000.0)
+    assert bare_sum({}) is None and bare_sum({"bare0": {"tokens_per_s": None}}) is None
+    swarm = {"peer0": swarm_figures(_peer_records(720_000, 90.0, 81.0, 0.0, 4.0))}  # 8,000 tokens/s
+    assert summarise(bracket(before, after), swarm, peers=1)["ratio"] == pytest.approx(8_000.0 / 11_000.0)
+
+
+def test_repeats_are_checked_before_anything_starts():
+    args = _parser("bench_overhead.py").parse_args(["--out", "x", "--repeats", "0"])
+    with pytest.raises(ValueError, match="--repeats"):
+        _check_peer_flags(args, [])
+    assert _parser("bench_overhead.py").parse_args(["--out", "x"]).repeats == 1
+
+
 def test_concurrency_of_the_windows():
     assert concurrency([(0.0, 10.0), (0.0, 10.0)]) == pytest.approx(1.0)
     assert concurrency([(0.0, 10.0), (5.0, 15.0)]) == pytest.approx(0.5)
     assert concurrency([(0.0, 1.0), (2.0, 3.0)]) == 0.0
     assert concurrency([]) is None
+
+
+def test_cpu_seconds_of_a_process_grow_as_it_works():
+    """swarm/processes.cpu_seconds, the figure a peer's records carry as background_cpu_s (this process: no child)."""
+    if not sys.platform.startswith("linux"):
+        assert cpu_seconds([os.getpid()]) is None
+        return
+    before = cpu_seconds([os.getpid()])
+    started = time.process_time()
+    while time.process_time() - started < 0.3:
+        pass
+    after = cpu_seconds([os.getpid()])
+    assert before is not None and after - before >= 0.2  # clock ticks: 10 ms steps
+    assert cpu_seconds([2**22 + 12345]) == 0.0  # no such process: nothing, not an error

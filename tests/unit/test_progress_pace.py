@@ -63,8 +63,8 @@ def test_hostile_rates_are_skipped_and_nobody_training_means_near():
 
 
 def test_pace_is_idle_only_when_the_end_is_far_and_nothing_changes():
-    far = _record(3, 0, 1000.0, round_budget=100_000)  # 100 s to go alone
-    near = _record(3, 90_000, 1000.0, round_budget=100_000)  # 10 s: under 3 idle periods
+    far = _record(3, 0, 1000.0, round_budget=100_000)  # 50 s to go at the two peers' 2,000 tokens/s
+    near = _record(3, 90_000, 1000.0, round_budget=100_000)  # 5 s: under 3 idle periods
     peers = {"a": _record(3, 0, 1000.0)}
     assert Pace(far, peers)() == IDLE
     assert Pace(near, peers)() == FAST
