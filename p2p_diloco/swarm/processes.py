@@ -85,13 +85,14 @@ def descendants(root: int | None = None) -> list[int]:
     return found
 
 
-def cpu_seconds(pids: list[int]) -> float | None:
-    """CPU seconds (user and system) that ``pids`` and their descendants have used so far, children they already
-    reaped included (Linux /proc; elsewhere None). A process gone meanwhile counts nothing."""
+def cpu_seconds(pids: list[int], with_descendants: bool = True) -> float | None:
+    """CPU seconds (user and system) that ``pids`` (and their descendants) have used so far, children they already
+    reaped included (Linux /proc; elsewhere None). A process gone meanwhile counts nothing. Finding descendants
+    lists every process of the machine; a caller that asks often passes the family it found once."""
     if not os.path.isdir("/proc"):
         return None
     ticks = 0
-    for pid in [*pids, *(child for root in pids for child in descendants(root))]:
+    for pid in [*pids, *(child for root in pids for child in descendants(root))] if with_descendants else pids:
         try:
             with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
                 fields = handle.read().rsplit(")", 1)[1].split()

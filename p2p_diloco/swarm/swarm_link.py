@@ -32,7 +32,14 @@ from p2p_diloco.swarm.guarded import GuardedAllReduceRunner, GuardedAverager
 from p2p_diloco.swarm.hivemind_api import CALL_FAILED
 from p2p_diloco.swarm.joining import SwarmStartError, first_line, join_swarm, peer_ids_in
 from p2p_diloco.swarm.membership import RunMembership
-from p2p_diloco.swarm.processes import close_dht, cpu_seconds, kill_if_alive, lower_priority, lower_this_thread
+from p2p_diloco.swarm.processes import (
+    close_dht,
+    cpu_seconds,
+    descendants,
+    kill_if_alive,
+    lower_priority,
+    lower_this_thread,
+)
 from p2p_diloco.swarm.progress import ProgressBeacon, ProgressReader
 from p2p_diloco.swarm.round import run_averaging
 from p2p_diloco.swarm.wire import WireCodec, part_norms_of, part_values_for
@@ -74,6 +81,7 @@ class SwarmLink:
         self.view = SwarmView(self.peer_id, peer_ids_in(config.initial_peers), config.progress_period_s, config.idle_period_s)
         self._pace = ProgressPace(config.progress_period_s, config.idle_period_s, config.progress_ttl_s)
         self._beacon: ProgressBeacon | None = None
+        self._background_pids: list[int] | None = None  # the DHT's and averager's processes and theirs (background_cpu_s)
         self._averaging_in_flight = False
         # progress records pushed to the peers we know, each read where it landed; a client-mode peer takes no
         # pushes (nobody can dial it): it reads from the DHT
@@ -363,8 +371,10 @@ class SwarmLink:
     def background_cpu_s(self) -> float | None:
         """CPU seconds this peer's DHT and averager processes and theirs (``p2pd``) have used since they started:
         what the peer's background takes from a busy machine (docs/benchmarks.md, "Where a peer's time goes")."""
-        pids = [p.pid for p in (self.dht, self._averager) if p is not None and p.pid is not None]
-        return cpu_seconds(pids) if pids else None
+        if self._background_pids is None:  # the family once (p2pd starts with the DHT): /proc is read per record
+            roots = [p.pid for p in (self.dht, self._averager) if p is not None and p.pid is not None]
+            self._background_pids = [*roots, *(child for root in roots for child in descendants(root))]
+        return cpu_seconds(self._background_pids, with_descendants=False) if self._background_pids else None
 
     # state download -------------------------------------------------------------------------------
 

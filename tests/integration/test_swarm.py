@@ -71,6 +71,13 @@ def test_three_peers_agree_learn_and_admit_a_late_joiner(tmp_path, reaper):
     founder_rounds = [r for i in range(3) for r in records[f"peer{i}"] if r["status"] == "ok"]
     assert any(r["group_size"] == 3 for r in founder_rounds)
     assert all(r["bytes_sent"] > 0 for r in founder_rounds if r["group_size"] > 1)
+    # what the background costs is counted: its processes' CPU grows from the first record on; and the steps' CPU
+    # is in seconds, near their wall time (one torch thread each, 4 peers on the cores: about half of it; the
+    # process's other threads can add a little)
+    for i in range(3):
+        first, last = records[f"peer{i}"][0], records[f"peer{i}"][-1]
+        assert 0 < first["background_cpu_s"] < last["background_cpu_s"], (first, last)
+        assert 0.1 * last["compute_s"] < last["compute_cpu_s"] <= 1.5 * last["compute_s"] + 0.5, last
     # loss falls clearly on held-out data
     initial = records["peer0"][0]["eval_loss"]
     # the newest evaluated record: a peer's last round can fail as the others stop (a failed round has no eval)
