@@ -22,6 +22,8 @@ pieces of it rather than copying it:
 6. *A stop in mid-round ends the averager's thread with a traceback* (its shutdown takes the futures it keeps of
    running groups for runners). ``DilocoAverager._shutdown`` finalizes the runners and cancels the futures; a
    runner cancelled mid-round is finalized as cancelled, not failed with the cancellation (which nobody reads).
+7. *A search for a group reads the DHT once per round trip while it waits* for a leader: its lookups of the
+   round's averagers are paced (``paced_lookup``, at most one per ``LEADER_POLL_S``).
 
 This module does not decide *when* to average or what to do with the result: that is the learner's job. One round
 from the learner's side (hand over the outer gradient, find a group, read the result) is ``swarm/round.py``.
@@ -35,6 +37,7 @@ import functools
 import logging
 import random
 import signal
+import time
 import typing
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -166,6 +169,33 @@ async def _keep_group_key(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
+LEADER_POLL_S = 0.5  # at most this long between two lookups of a round's declared averagers (docs/design.md §6)
+
+
+def paced_lookup(
+    lookup: Callable[..., typing.Awaitable[Any]],
+    interval_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], typing.Awaitable[Any]] = asyncio.sleep,
+) -> Callable[..., typing.Awaitable[Any]]:
+    """``lookup`` (hivemind's ``GroupKeyManager.get_averagers``), started at most once per ``interval_s``.
+
+    A peer whose leader queue is empty (the first at a round's end, or the best leader itself, waiting to be
+    joined) asks the DHT again as soon as its last answer came: about a DHT read per round trip, each a request to
+    every node near the key, for the whole matchmaking time. A lookup after a quiet interval goes at once."""
+    last = -float("inf")
+
+    async def paced(*args: Any, **kwargs: Any) -> Any:
+        nonlocal last
+        wait_s = last + interval_s - clock()
+        if wait_s > 0:
+            await sleep(wait_s)
+        last = clock()
+        return await lookup(*args, **kwargs)
+
+    return paced
+
+
 class DilocoAverager(DecentralizedAverager):
     """hivemind's averager with exact results, partial-round detection, byte counters and our state.
 
@@ -277,6 +307,12 @@ class DilocoAverager(DecentralizedAverager):
             # hivemind re-shuffles the group key after every assembled group (for gossip averaging); our key is
             # the outer step and must stay fixed while a round is retried, so the re-shuffle is switched off
             matchmaking.group_key_manager.update_key_on_group_assembled = _keep_group_key
+            if not getattr(matchmaking, "_paced", False):
+                # hivemind looks the key's averagers up again as soon as an answer comes while its queue is empty
+                interval_s = min(LEADER_POLL_S, matchmaking.min_matchmaking_time / 10)
+                keys = matchmaking.group_key_manager
+                keys.get_averagers = paced_lookup(keys.get_averagers, interval_s)
+                matchmaking._paced = True
             matchmaking.group_key_manager.group_bits = group_bits
             # a leader whose group reaches the target starts the all-reduce at once instead of waiting for the
             # matchmaking time to run out: when every live peer is in, there is nobody left to wait for

@@ -6,8 +6,9 @@ anywhere else, before a peer joins a swarm (``join_swarm``). Where the private A
 
 - averaging.py: ``AllReduceRunner._communicate_with_peer``, ``_accumulate_parts_streaming``, ``_ban_sender``,
   ``tensor_part_container`` / ``tensor_part_reducer`` internals; ``DecentralizedAverager._run_allreduce_inplace_``,
-  ``_load_state_from_peers`` (copied with an exclusion list), ``_matchmaking`` (group key and target size),
-  ``_outer_pipe``; ``StepControl`` cancelling (mark, then wake).
+  ``_load_state_from_peers`` (copied with an exclusion list), ``_matchmaking`` (group key and target size,
+  ``GroupKeyManager.get_averagers`` paced, ``min_matchmaking_time``), ``_outer_pipe``; ``StepControl`` cancelling
+  (mark, then wake).
 - wire.py: the codec registry ``compression.serialization._BASE_COMPRESSION_TYPES`` (our codecs, and wire_guard.py's
   checked decoder for hivemind's raw type).
 - guarded.py: ``TensorPartReducer`` accumulation, ``TensorPartContainer._input_parts_by_peer`` and
