@@ -1,13 +1,15 @@
-"""Helpers shared by the unit tests: the tiny model config, dataset building, parameter snapshots, and small
-files for the Hugging Face paths (documents, parquet, a BPE tokenizer, a transformers config.json)."""
+"""Helpers shared by the unit tests: the tiny model config, dataset building, parameter snapshots, small files for
+the Hugging Face paths (documents, parquet, a BPE tokenizer, a transformers config.json), and a script's refusal of
+an ``--out`` that is a file."""
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import pytest
 import torch
 
 from p2p_diloco.core.config import ModelConfig, PeerConfig
@@ -109,3 +111,14 @@ def write_model_config(path: Path, vocab_size: int, model_type: str = "llama", m
     }
     path.write_text(json.dumps(dict(model_type=model_type, vocab_size=vocab_size, **shapes[model_type])))
     return path
+
+
+def assert_out_file_refused_and_kept(main: Callable[[list[str]], int], path: Path, capsys) -> None:
+    """A script's ``--out`` that names a file: refused in one line with exit 2, and the file left as it was."""
+    path.write_text("earlier results")
+    with pytest.raises(SystemExit) as exited:
+        main(["--out", str(path)])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert "is a file, not a folder" in error and len(error.splitlines()) == 1
+    assert path.read_text() == "earlier results"

@@ -6,6 +6,8 @@ import pytest
 
 from experiments.dht_op_cost import _per_read, main
 
+from .helpers import assert_out_file_refused_and_kept
+
 
 @pytest.mark.parametrize("reads", ["0", "-5", "100001"])
 def test_bad_read_counts_are_refused_in_one_line(tmp_path, capsys, reads):
@@ -18,13 +20,7 @@ def test_bad_read_counts_are_refused_in_one_line(tmp_path, capsys, reads):
 
 
 def test_an_out_that_is_a_file_is_refused_and_kept(tmp_path, capsys):
-    target = tmp_path / "taken"
-    target.write_text("keep me")
-    with pytest.raises(SystemExit) as exited:
-        main(["--out", str(target)])
-    assert exited.value.code == 2
-    assert "is a file, not a folder" in capsys.readouterr().err
-    assert target.read_text() == "keep me"
+    assert_out_file_refused_and_kept(main, tmp_path / "results", capsys)
 
 
 def test_per_read_figures_are_milliseconds_of_each_side():

@@ -6,6 +6,8 @@ import pytest
 
 from experiments.dht_traffic import main
 
+from .helpers import assert_out_file_refused_and_kept
+
 
 @pytest.mark.parametrize(
     ("flags", "message"),
@@ -28,10 +30,4 @@ def test_bad_settings_are_refused_in_one_line(tmp_path, capsys, flags, message):
 
 
 def test_an_out_that_is_a_file_is_refused_and_kept(tmp_path, capsys):
-    existing = tmp_path / "results"
-    existing.write_text("earlier results")
-    with pytest.raises(SystemExit) as exited:
-        main(["--out", str(existing)])
-    assert exited.value.code == 2
-    assert "is a file, not a folder" in capsys.readouterr().err
-    assert existing.read_text() == "earlier results"
+    assert_out_file_refused_and_kept(main, tmp_path / "results", capsys)
