@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 _NAME = "outer_step_{:08d}.pt"
+_STARTED = time.time()  # temporary files last written before this process began are a killed writer's leftovers
 _COUNTERS = ("outer_step", "outer_steps_taken", "data_position", "tokens_total")
 # data order seeds are seed * 1_000_003 + data_position (data.py): counters this small keep them within int64
 _MAX_COUNTER = 2**53
@@ -50,7 +52,23 @@ def save_atomic(directory: str | Path, outer_step: int, state: dict[str, Any], k
         raise
     for old in sorted(directory.glob("outer_step_*.pt"))[: -max(1, keep)]:
         old.unlink(missing_ok=True)
+    remove_leftovers(directory)
     return target
+
+
+def remove_leftovers(directory: Path, before: float | None = None) -> int:
+    """Delete the temporary files of writes that never finished (a writer killed between its first byte and its
+    rename leaves one the size of a checkpoint, at every kill) last written before ``before`` (default: when this
+    process started: none of them is a write of ours in progress); how many."""
+    removed = 0
+    for leftover in directory.glob(".tmp-*.pt"):
+        try:
+            if leftover.stat().st_mtime < (_STARTED if before is None else before):
+                leftover.unlink()
+                removed += 1
+        except OSError:  # gone meanwhile
+            continue
+    return removed
 
 
 def load(path: str | Path) -> dict[str, Any]:

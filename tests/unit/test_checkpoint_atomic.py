@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -50,6 +51,21 @@ def test_failed_save_leaves_no_temp_file_and_keeps_the_previous_checkpoint(tmp_p
         checkpoint.save_atomic(tmp_path, 2, unpicklable)
     assert [p.name for p in tmp_path.iterdir()] == [good.name]
     assert checkpoint.load(good)["outer_step"] == 1
+
+
+def test_a_killed_writers_temporary_file_goes_at_the_next_save_and_a_write_in_progress_stays(tmp_path):
+    killed = tmp_path / ".tmp-killed.pt"  # a writer SIGKILLed between its first byte and its rename, before we began
+    killed.write_bytes(b"PK" * 1000)
+    os.utime(killed, (checkpoint._STARTED - 60, checkpoint._STARTED - 60))
+    in_progress = tmp_path / ".tmp-writing.pt"  # written since this process began: perhaps ours, so kept
+    in_progress.write_bytes(b"PK")
+    foreign = tmp_path / "notes.tmp"  # not a temporary checkpoint
+    foreign.write_text("keep")
+    os.utime(foreign, (checkpoint._STARTED - 60, checkpoint._STARTED - 60))
+    path = checkpoint.save_atomic(tmp_path, 3, _state(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, in_progress.name, foreign.name])
+    assert checkpoint.remove_leftovers(tmp_path, before=in_progress.stat().st_mtime + 1) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, foreign.name])
 
 
 def test_keep_n_deletes_the_oldest(tmp_path):
