@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 _SIDES = ("caller", "A dht", "A p2pd", "B dht", "B p2pd")
+_TIMEOUT_S = 30.0  # for a DHT to start, and for each store and read
 
 
 def _cpu(dhts: list) -> list[float]:
@@ -35,17 +36,19 @@ def _per_read(before: list[float], after: list[float], reads: int) -> dict[str, 
 def measure(reads: int) -> dict:
     from hivemind import DHT
 
-    a = DHT(start=True)
-    b = DHT(start=True, initial_peers=[str(address) for address in a.get_visible_maddrs()])
+    a, b = DHT(start=False), None
     try:
-        b.store("key", "value", expiration_time=time.time() + 600)
-        a.store("local", "value", expiration_time=time.time() + 600)
+        a.run_in_background(await_ready=True, timeout=_TIMEOUT_S)
+        b = DHT(start=False, initial_peers=[str(address) for address in a.get_visible_maddrs()])
+        b.run_in_background(await_ready=True, timeout=_TIMEOUT_S)
+        for dht, key in ((b, "key"), (a, "local")):
+            dht.store(key, "value", expiration_time=time.time() + 600, return_future=True).result(timeout=_TIMEOUT_S)
         time.sleep(2.0)  # let both settle after bootstrap
         rows = {}
         for name, key, latest in (("local read", "local", False), ("remote read (a find to B)", "key", True)):
             before, started = _cpu([a, b]), time.monotonic()
             for _ in range(reads):
-                if a.get(key, latest=latest) is None:
+                if a.get(key, latest=latest, return_future=True).result(timeout=_TIMEOUT_S) is None:
                     raise RuntimeError(f"{name}: the key was not found")
             wall_s = time.monotonic() - started
             rows[name] = dict(**_per_read(before, _cpu([a, b]), reads), wall_ms=round(1000 * wall_s / reads, 3))
@@ -54,8 +57,9 @@ def measure(reads: int) -> dict:
         rows["idle, the same wall time"] = _per_read(before, _cpu([a, b]), reads)
         return rows
     finally:
-        a.shutdown()
-        b.shutdown()
+        for dht in (a, b):
+            if dht is not None and dht.is_alive():
+                dht.shutdown()
 
 
 def main(argv: list[str] | None = None, prog: str = "dht_op_cost.py") -> int:

@@ -307,12 +307,7 @@ class DilocoAverager(DecentralizedAverager):
             # hivemind re-shuffles the group key after every assembled group (for gossip averaging); our key is
             # the outer step and must stay fixed while a round is retried, so the re-shuffle is switched off
             matchmaking.group_key_manager.update_key_on_group_assembled = _keep_group_key
-            if not getattr(matchmaking, "_paced", False):
-                # hivemind looks the key's averagers up again as soon as an answer comes while its queue is empty
-                interval_s = min(LEADER_POLL_S, matchmaking.min_matchmaking_time / 10)
-                keys = matchmaking.group_key_manager
-                keys.get_averagers = paced_lookup(keys.get_averagers, interval_s)
-                matchmaking._paced = True
+            self._pace_leader_search()
             matchmaking.group_key_manager.group_bits = group_bits
             # a leader whose group reaches the target starts the all-reduce at once instead of waiting for the
             # matchmaking time to run out: when every live peer is in, there is nobody left to wait for
@@ -322,6 +317,16 @@ class DilocoAverager(DecentralizedAverager):
         except Exception as e:
             if not future.done():
                 future.set_exception(e)
+
+    def _pace_leader_search(self) -> None:
+        """Install ``paced_lookup`` on the matchmaking's key manager, once (hivemind builds the matchmaking in the
+        averager's process, so the first round installs it)."""
+        matchmaking = self._matchmaking
+        if getattr(matchmaking, "_paced", False):
+            return
+        keys = matchmaking.group_key_manager
+        keys.get_averagers = paced_lookup(keys.get_averagers, min(LEADER_POLL_S, matchmaking.min_matchmaking_time / 10))
+        matchmaking._paced = True
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
