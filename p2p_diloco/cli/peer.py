@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from p2p_diloco.cli import stacks
 from p2p_diloco.cli.flags import OneLineParser, add_peer_flags, resolve_config
 from p2p_diloco.core.config import PeerConfig
 
@@ -68,6 +69,7 @@ def peer_main(argv: list[str] | None = None, prog: str = "p2p-diloco peer", link
         faulthandler.enable(file=sys.__stderr__)
     except (AttributeError, OSError, ValueError):  # no stderr with a file descriptor (a test capturing it)
         pass
+    stacks.enable()  # SIGUSR1: every thread's stack into the log (the launcher asks a peer it is about to kill)
     return _run_peer(config, prog, link_class)
 
 
@@ -118,6 +120,7 @@ def _start_island(config: PeerConfig) -> Island:
                                           device=config.run.device, precision=config.inner.precision)
 
 
+STUCK_AFTER_STOP_S = 30.0  # beyond shutdown_wait_s: a stop request not done by then prints every thread's stack
 _FOLLOWER_GRACE_S = 10.0  # beyond rank 0's own shutdown wait; under torchrun's 30 s before it SIGKILLs
 
 
@@ -222,8 +225,13 @@ def _run_peer(config: PeerConfig, prog: str, link_class: type | None = None) -> 
     except SwarmStartError as e:
         metrics.close()
         return fail(prog, f"could not join the swarm: {e}", code=1)
+    def request_stop(*_: object) -> None:
+        stop.set()
+        # a peer still running well past its shutdown wait is stuck somewhere: its stacks say where (cli/stacks.py)
+        stacks.arm(config.run.shutdown_wait_s + STUCK_AFTER_STOP_S)
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, request_stop)
     monitor = None
     try:
         if config.run.monitor_port:  # after the link: the forked DHT and averager processes must not inherit the socket

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from p2p_diloco.cli import stacks
 from p2p_diloco.cli.ready import read_ready_file
 from p2p_diloco.observe.report import build_report, read_metrics
 
@@ -50,13 +51,16 @@ class PeerProcess:
             self.process.send_signal(signal.SIGTERM)
 
     def stop(self, grace_s: float = 20.0) -> int | None:
-        """SIGTERM the peer, wait ``grace_s``, then SIGKILL whatever of its group is left."""
+        """SIGTERM the peer, wait ``grace_s``, then SIGKILL whatever of its group is left. A peer still running after
+        its grace prints every thread's stack into its log first (cli/stacks.py): where it was stuck."""
         if self.alive:
             self.terminate()
             try:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                pass
+                if stacks.dump_before_kill(self.process.pid):
+                    print(f"{self.name} did not stop within {grace_s:.0f} s: its threads' stacks are at the end of "
+                          f"{self.log_file}", file=sys.stderr, flush=True)
         self.signal_group(signal.SIGKILL)  # reaps the averager, DHT and p2pd even if the peer exited
         try:
             return self.process.wait(timeout=10)
