@@ -74,6 +74,8 @@ class Link(Protocol):
 
     def round_view(self, round_index: int) -> RoundView: ...
 
+    def refresh(self) -> None: ...
+
     def swarm_target(self, chain: Sequence[Node], fresh: bool) -> Target | None: ...
 
     def peers_behind(self, outer_step: int) -> int: ...
@@ -117,6 +119,9 @@ class ImmediateAveraging:
 
     def round_view(self, round_index: int) -> RoundView:
         return RoundView(live_peers=0, tokens_by_others=0, peers_ahead=0)
+
+    def refresh(self) -> None:
+        pass
 
     def peers_behind(self, outer_step: int) -> int:
         return 0

@@ -201,6 +201,14 @@ class ProgressBeacon:
         with self._lock:
             return dict(self._record)
 
+    def read_now(self) -> None:
+        """Read the others' records now rather than at the end of the current period: a start that waits for the
+        swarm sees a peer as soon as its first record reaches us, not up to a period later (run_edges.wait_for_peers)."""
+        try:
+            self.peers = self._read_peers()
+        except CALL_FAILED as e:
+            logger.debug("reading progress failed: %r", e)
+
     def publish_now(self, dht_store: bool = False) -> Future | None:
         """Publish this peer's record now: pushed, or stored in the DHT (``dht_store``, no ``push``, every
         ``DHT_EVERY``-th time, and often enough that the key's nearest nodes always hold an unexpired copy).

@@ -341,6 +341,11 @@ class SwarmLink:
         threading.Thread(target=work, name=f"averaging-{outer_step}", daemon=True).start()
         return future
 
+    def refresh(self) -> None:
+        """Read the others' progress records now (a local read: pushed records are already here)."""
+        if self._beacon is not None:
+            self._beacon.read_now()
+
     def round_view(self, round_index: int) -> RoundView:
         """The others' progress in ``round_index``, as of the beacon's last read (SwarmView.round_view)."""
         assert self._beacon is not None

@@ -32,6 +32,9 @@ def wait_for_peers(learner: Learner, link: Link) -> None:
     deadline = time.monotonic() + run.wait_for_peers_s
     present = 1
     while wanted > 1 and not learner.stop.is_set():
+        # read the records now, not as of the beacon's last period: the last peer up sees the others at once, and
+        # they must see it as soon too, or it trains a round's worth alone first (a small model, a 2 s period)
+        link.refresh()
         present = 1 + link.round_view(learner.round_index).live_peers
         if present >= wanted:
             logger.info("%d peers in the swarm: starting", present)
