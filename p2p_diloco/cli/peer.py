@@ -225,6 +225,7 @@ def _run_peer(config: PeerConfig, prog: str, link_class: type | None = None) -> 
     except SwarmStartError as e:
         metrics.close()
         return fail(prog, f"could not join the swarm: {e}", code=1)
+
     def request_stop(*_: object) -> None:
         stop.set()
         # a peer still running well past its shutdown wait is stuck somewhere: its stacks say where (cli/stacks.py)

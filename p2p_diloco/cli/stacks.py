@@ -1,4 +1,4 @@
-"""Where a stuck peer is stuck: every thread's Python stack, printed into its log (docs/architecture.md, "Stopping").
+"""Where a stuck peer is stuck: every thread's Python stack, printed into its log (docs/architecture.md, "A peer that does not stop").
 
 A peer that does not stop within its launcher's grace period is SIGKILLed, and its log kept nothing of where it was
 (once in CI a trainer stopped inside a checkpoint write and never answered SIGTERM; the kill left no clue). Two ways
