@@ -257,6 +257,9 @@ class DilocoAverager(DecentralizedAverager):
         feedback = self.reducer_feedback
         if feedback is not None:
             feedback.begin(self._round_step)
+        # one part per reducer where it fits (WireCodec.for_group): every member cuts alike, from the same fractions
+        wire_codec = self.wire_codec.for_group([t.numel() for t in tensors], kwargs.get("peer_fractions", ()))
+        kwargs["compression"] = wire_codec
         runner = self.runner_class(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -264,7 +267,7 @@ class DilocoAverager(DecentralizedAverager):
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
-            wire_codec=self.wire_codec,
+            wire_codec=wire_codec,
             traffic=self.traffic,
             feedback=feedback,
             **kwargs,

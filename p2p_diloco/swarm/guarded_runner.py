@@ -22,6 +22,7 @@ from hivemind.averaging.partition import AllreduceException
 from p2p_diloco.core.robust import RobustPolicy, result_excess, result_problem, robust_average
 from p2p_diloco.swarm.averaging import ExactAllReduceRunner
 from p2p_diloco.swarm.reducer import PartReducer
+from p2p_diloco.swarm.wire import part_blocks
 
 logger = logging.getLogger(__name__)
 _PLACEHOLDER = torch.zeros(())  # what hivemind's accumulator adds (times weight 0) while we hold the real part
@@ -84,6 +85,9 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
         container = self.tensor_part_container
         # how many values each position's share holds (hivemind consumes its parts as it sends them)
         self.share_values = tuple(sum(int(part.numel()) for part, _ in parts) for parts in container._input_parts_by_peer)
+        # the norm blocks each part covers, in hivemind's order: what the members declared norms for
+        codec = self._wire_codec
+        self._part_blocks = part_blocks([t.numel() for t in container.local_tensors], codec.block_values, codec.part_values)
         self._register_unchecked = container.register_processed_part
         container.register_processed_part = self._register_checked
 
@@ -103,7 +107,7 @@ class GuardedAllReduceRunner(ExactAllReduceRunner):
         container = self.tensor_part_container
         sent = container._input_parts_by_peer[peer_index][part_index][0]  # what we sent that reducer (hivemind 1.1.12)
         first = sum(container.num_parts_by_peer[:peer_index])  # parts are dealt to reducers in order
-        norms = self.guard.declared_norms(first + part_index, sum(container.num_parts_by_peer))
+        norms = self.guard.declared_norms(self._part_blocks[first + part_index], self._part_blocks[-1].stop)
         problem = result_problem(part, sent, self.guard.policy, self.guard.weight_ratio, norms)
         if problem is None:
             return self._register_unchecked(peer_index, part_index, part)
@@ -141,10 +145,11 @@ class RoundGuard:
         # large (perhaps honest, seen by a peer that just caught up), or one side of a cross-check's disagreement
         self.one_strike: set[str] = set()
 
-    def declared_norms(self, part: int, parts: int) -> list[float] | None:
-        """The norms the members declared for global part ``part`` (of ``parts``), from the members that declared one
-        per part; None when fewer than half of the group did (an earlier version, or hostile data)."""
-        found = [norms[part] for norms in self.part_norms if len(norms) == parts]
+    def declared_norms(self, blocks: range, total_blocks: int) -> list[float] | None:
+        """The norms the members declared for the part made of norm ``blocks`` (of ``total_blocks``), from the
+        members that declared one per block, each the root of the sum of its blocks' squares; None when fewer than
+        half of the group did (an earlier version, or hostile data)."""
+        found = [math.sqrt(sum(norms[i] ** 2 for i in blocks)) for norms in self.part_norms if len(norms) == total_blocks]
         return found if found and 2 * len(found) >= len(self.part_norms) else None
 
     def reject(self, peer: str, reason: str, action: Literal["refused", "left out", "limited"] = "refused") -> None:

@@ -3,7 +3,9 @@ types they use, the size of the parts every peer of a group reduces, and counter
 
 from __future__ import annotations
 
+import copy
 import ctypes
+import math
 import multiprocessing as mp
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -28,43 +30,81 @@ WIRE_TYPES = {
     "int2": runtime_pb2.CompressionType.MEANSTD_16BIT,  # likewise: dense 2-bit parts, under the last id left
 }
 _QUANTIZATION_BLOCK = 256  # every part holds whole quantization blocks (64 for int4, int2 and topk, 256 for int8)
-_PARTS_PER_AVERAGING = 32  # enough parts that every peer of a group reduces about its share
+_BLOCKS_PER_AVERAGING = 96  # norm blocks: fine enough that any group's shares are close to whole blocks
 _MIN_PART_VALUES = 16 * _QUANTIZATION_BLOCK
 
 
+def largest_part_values(codec: Codec) -> int:
+    """The most values one all-reduce part may hold: hivemind's default part (2**19 bytes on the wire), in whole
+    quantization blocks."""
+    return max(_QUANTIZATION_BLOCK, int(DEFAULT_PART_SIZE_BYTES / codec.bytes_per_value()) // _QUANTIZATION_BLOCK * _QUANTIZATION_BLOCK)
+
+
 def part_values_for(codec: Codec, total_values: int) -> int:
-    """Values per all-reduce part for averagings of ``total_values``: about 1/32 of the total, in whole
-    quantization blocks, and no larger than hivemind's default part (2**19 bytes on the wire).
+    """Values per norm block for averagings of ``total_values``: about 1/96 of the total, in whole quantization
+    blocks, and no larger than hivemind's default part (``largest_part_values``).
 
-    hivemind hands each part whole to one reducer, so with its default a streaming fragment of a few hundred
-    thousand values is a single part and one peer reduces all of it: that peer sends twice the bytes of the
-    others, and the burst that fragments are meant to cut comes back. Small parts spread the load evenly.
+    A block is the unit the members declare norms for (``part_norms_of``) and every all-reduce part is whole blocks
+    (``WireCodec.for_group``): one part per reducer, cut to its share, where hivemind's default part allows.
     """
-    largest = max(_QUANTIZATION_BLOCK, int(DEFAULT_PART_SIZE_BYTES / codec.bytes_per_value()) // _QUANTIZATION_BLOCK * _QUANTIZATION_BLOCK)
-    wanted = -(-total_values // _PARTS_PER_AVERAGING)
+    wanted = -(-total_values // _BLOCKS_PER_AVERAGING)
     wanted = -(-wanted // _QUANTIZATION_BLOCK) * _QUANTIZATION_BLOCK
-    return min(largest, max(_MIN_PART_VALUES, wanted))
+    return min(largest_part_values(codec), max(_MIN_PART_VALUES, wanted))
 
 
-def part_norms_of(tensors: Sequence[torch.Tensor], part_values: int) -> list[float]:
-    """The L2 norm of each all-reduce part of ``tensors``, in hivemind's order (each tensor flattened and cut into
-    pieces of ``part_values`` values: ``TensorPartContainer``)."""
-    return [float(piece.norm()) for tensor in tensors for piece in tensor.detach().reshape(-1).split(part_values)]
+def part_norms_of(tensors: Sequence[torch.Tensor], block_values: int) -> list[float]:
+    """The L2 norm of each norm block of ``tensors``: each tensor flattened and cut into pieces of ``block_values``
+    values, in hivemind's order (``TensorPartContainer`` cuts the same way, in parts of whole blocks)."""
+    return [float(piece.norm()) for tensor in tensors for piece in tensor.detach().reshape(-1).split(block_values)]
+
+
+def part_blocks(numels: Sequence[int], block_values: int, part_values: int) -> list[range]:
+    """For each all-reduce part of tensors of ``numels`` values, in hivemind's order, the norm blocks it covers
+    (indices into ``part_norms_of``'s list). ``part_values`` is a whole number of blocks."""
+    per_part, found, first = part_values // block_values, [], 0
+    for numel in numels:
+        blocks = max(1, -(-numel // block_values))  # an empty tensor is one (empty) part and one norm
+        found += [range(first + k, first + min(k + per_part, blocks)) for k in range(0, blocks, per_part)]
+        first += blocks
+    return found
 
 
 class WireCodec(CompressionBase):
     """Adapts a p2p_diloco codec to hivemind's three-method CompressionBase (fp32 tensors only).
 
-    ``part_values``: how many values hivemind puts in one all-reduce part (see ``part_values_for``).
+    ``part_values``: how many values hivemind puts in one all-reduce part; ``block_values``: the norm block
+    (``part_values_for``), of which every part holds a whole number. Built with a block, the codec's parts are one
+    block each; ``for_group`` gives the codec of one all-reduce, with parts of several.
     """
 
     def __init__(self, codec: Codec, part_values: int | None = None):
         self.codec = codec
         self.part_values = part_values or part_values_for(codec, 2**40)  # default: hivemind's own part size
+        self.block_values = self.part_values
         self.compression_type = WIRE_TYPES[codec.name]
         # load the codec's native library here, before the averager forks: importing bitsandbytes takes
         # seconds, longer than a groupmate waits for our first chunk, so a lazy import fails the first round
         codec.decode(codec.encode(torch.zeros(8)), 8)
+
+    def for_group(self, numels: Sequence[int], peer_fractions: Sequence[float]) -> WireCodec:
+        """This codec with the part size of one all-reduce of tensors of ``numels`` values among reducers with
+        ``peer_fractions`` (hivemind's shares; 0 for a client): whole blocks, as many as the smallest share holds, so
+        that each reducer gets its share in one part, or in a few even ones where a share is larger than hivemind's default
+        part (docs/design.md §2).
+
+        Every part is a message to its reducer and one back, each through both averagers' executors and ``p2pd``s:
+        the fewer, the less a round costs the machine's CPU (docs/benchmarks.md, "Where a peer's time goes")."""
+        shares = [float(f) for f in peer_fractions if f > 0]
+        if not shares:
+            return self
+        blocks = sum(max(1, -(-n // self.block_values)) for n in numels)
+        share = blocks * min(shares) / sum(shares)  # in blocks
+        cap = max(1, largest_part_values(self.codec) // self.block_values)
+        parts_per_share = max(1, math.ceil(share / cap - 1e-6))  # a share over the cap: that many parts, even
+        per_part = max(1, min(cap, math.ceil(share / parts_per_share - 1e-6)))
+        group_codec = copy.copy(self)
+        group_codec.part_values = per_part * self.block_values
+        return group_codec
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         return self.wrap(tensor, lambda: self.codec.encode(tensor.detach().reshape(-1)))
