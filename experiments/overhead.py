@@ -12,8 +12,13 @@ minutes) moves both sides alike; the headline is the median of the swarm phases'
    inner step (forward, backward, clip, AdamW, ``loss.item()``: ``Learner.inner_step`` without the swarm) on shard i
    of N, with no communication at all. Each builds its model, data and AdamW as a peer does, says it is ready, and
    waits for the launcher's go (a file), so that all N train concurrently from the same moment. Each runs
-   ``--warmup-steps`` untimed steps, then times H x S steps. **Bare tokens/s = tokens of the timed steps / wall
-   time of the timed steps** (data loading included, as the learner counts it in ``compute_s``).
+   ``--warmup-steps`` untimed steps, then times H x S steps, noting when each ended and the CPU spent by then.
+   **Bare tokens/s = tokens of the timed steps in the window in which all N workers were in their timed steps /
+   that window** (data loading included, as the learner counts it in ``compute_s``). The workers do not end
+   together (their core shares differ by 5-10%), and one that ends first leaves its core to the others: over each
+   worker's own window the rates count that core twice (their core shares once summed to 2.05 on 2 cores), while
+   the swarm's peers all run until their last round ends. The own-window rates are reported beside
+   (``ratio_own_windows``).
 2. **swarm**: the same N processes as a local swarm of p2p-diloco peers (``LocalSwarm``, ``--wait-for-peers N``,
    ``--inner-steps H``, ``--max-outer-steps S``). **Swarm tokens/s = the last metrics record's ``tokens`` / its
    ``time_s``**: every token the peer trained, over the wall time from the moment it began training (after
@@ -39,6 +44,7 @@ Writes ``overhead.json`` and ``overhead.md`` under ``--out``, each phase's logs 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import statistics
@@ -100,11 +106,30 @@ def _rate(tokens: float, seconds: float) -> float | None:
     return tokens / seconds if seconds > 0 else None
 
 
-def bare_figures(record: dict) -> dict[str, Any]:
-    """One bare worker's figures from its result record (``worker_main`` writes it)."""
+def _at(ends: list[float], values: list[float], moment: float) -> float:
+    """A cumulative count at ``moment`` (seconds since the timed steps began), ``values[k]`` reached at ``ends[k]``,
+    0 at 0, linear in between (steps are back to back: a step's tokens and CPU accrue over its own time)."""
+    index = bisect.bisect_left(ends, moment)
+    if moment <= 0 or not ends:
+        return 0.0
+    if index >= len(ends):
+        return values[-1]
+    start, before = (ends[index - 1], values[index - 1]) if index else (0.0, 0.0)
+    span = ends[index] - start
+    return before + (values[index] - before) * (moment - start) / span if span > 0 else values[index]
+
+
+def bare_figures(record: dict, together: tuple[float, float] | None = None) -> dict[str, Any]:
+    """One bare worker's figures from its result record (``worker_main`` writes it).
+
+    ``together``: the wall-clock window in which every worker of the phase was in its timed steps. The rates are
+    taken in it (from the record's per-step trace) when given: a worker that finishes first leaves its CPU to the
+    others, and a rate over each one's own window counts that CPU twice (the three rates' core shares once summed
+    to 2.05 of the 2 cores). The rates over the worker's own window stay beside them (``own_window_*``)."""
     tokens, wall = record["tokens"], record["wall_s"]
     warmup_tokens = record["warmup_steps"] * record["tokens_per_step"]
-    return dict(
+    compute_fraction = record["compute_s"] / wall if wall > 0 else 1.0  # the loop's own overhead: ~0.1%
+    figures = dict(
         steps=record["steps"],
         tokens=tokens,
         wall_s=wall,
@@ -116,7 +141,37 @@ def bare_figures(record: dict) -> dict[str, Any]:
         warmup_s=record["warmup_s"],
         unix_start=record["unix_start"],
         unix_end=record["unix_end"],
+        window="own",
+        window_s=wall,
     )
+    figures["own_window_tokens_per_s"] = figures["tokens_per_s"]
+    ends, cpu = record.get("step_end_s"), record.get("step_cpu_s")
+    if together is None or not ends or not cpu or together[1] <= together[0]:
+        return figures
+    first, last = (moment - record["unix_start"] for moment in together)
+    step_tokens = record["tokens_per_step"]
+    counted = _at(ends, [step_tokens * (k + 1) for k in range(len(ends))], last) - _at(
+        ends, [step_tokens * (k + 1) for k in range(len(ends))], first)
+    spent = _at(ends, cpu, last) - _at(ends, cpu, first)
+    seconds = last - first
+    figures.update(
+        window="together",
+        window_s=seconds,
+        tokens_in_window=counted,
+        tokens_per_s=_rate(counted, seconds),
+        compute_tokens_per_s=_rate(counted, seconds * compute_fraction),
+        cpu_tokens_per_s=_rate(counted, spent),
+        cpu_share=_rate(spent, seconds * compute_fraction),
+    )
+    return figures
+
+
+def together_window(records: list[dict]) -> tuple[float, float] | None:
+    """The wall-clock window in which every record's worker was in its timed steps, or None if there is none."""
+    if not records:
+        return None
+    window = (max(r["unix_start"] for r in records), min(r["unix_end"] for r in records))
+    return window if window[1] > window[0] else None
 
 
 def swarm_figures(records: list[dict]) -> dict[str, Any]:
@@ -168,7 +223,7 @@ def concurrency(windows: list[tuple[float, float]]) -> float | None:
     return max(together, 0.0) / mean if mean > 0 else None
 
 
-RATES = ("tokens_per_s", "compute_tokens_per_s", "cpu_tokens_per_s", "cpu_share")
+RATES = ("tokens_per_s", "compute_tokens_per_s", "cpu_tokens_per_s", "cpu_share", "own_window_tokens_per_s")
 
 
 def bracket(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
@@ -230,12 +285,17 @@ def summarise(bare: dict[str, dict], swarm: dict[str, dict], peers: int) -> dict
         return sum(values) if all(v is not None for v in values) else None
 
     bare_sum, swarm_sum = total("bare_tokens_per_s"), total("swarm_tokens_per_s")
+    own = [f.get("own_window_tokens_per_s") for f in bare.values()]
+    own_sum = sum(own) if len(own) == peers and all(v is not None for v in own) else None
     return dict(
         complete=complete,
         per_process=rows,
         bare_tokens_per_s_sum=bare_sum,
         swarm_tokens_per_s_sum=swarm_sum,
         ratio=_ratio(swarm_sum, bare_sum),
+        # each bare worker over its own window instead (how this benchmark counted before the common window)
+        bare_own_windows_tokens_per_s_sum=own_sum,
+        ratio_own_windows=_ratio(swarm_sum, own_sum),
         compute_ratio=_ratio(total("swarm_compute_tokens_per_s"), total("bare_compute_tokens_per_s")),
         bare_concurrency=concurrency([(f["unix_start"], f["unix_end"]) for f in bare.values()]),
         swarm_concurrency=concurrency([(f["unix_start"], f["unix_end"]) for f in swarm.values()]),
@@ -340,19 +400,22 @@ def worker_main(argv: list[str] | None = None, prog: str = "python -m experiment
         inner_step()
     warmup_s = time.monotonic() - warmup_started
     tokens, losses, compute_s = 0, [], 0.0
+    step_end_s, step_cpu_s = [], []  # when each step ended and the CPU spent by then: rates in any window
     unix_start, started, cpu_started = time.time(), time.monotonic(), time.process_time()
     for _ in range(args.steps):
         step_tokens, loss, seconds = inner_step()
         tokens += step_tokens
         losses.append(loss)
         compute_s += seconds
+        step_end_s.append(round(time.monotonic() - started, 4))
+        step_cpu_s.append(round(time.process_time() - cpu_started, 4))
     wall_s, cpu_s = time.monotonic() - started, time.process_time() - cpu_started
     record = dict(
         status="bare", shard_index=config.data.shard_index, steps=args.steps, warmup_steps=args.warmup_steps,
         tokens_per_step=dataset.train.tokens_per_batch, tokens=tokens, wall_s=round(wall_s, 4),
         compute_s=round(compute_s, 4), cpu_s=round(cpu_s, 4), warmup_s=round(warmup_s, 4), unix_start=round(unix_start, 3),
         unix_end=round(unix_start + wall_s, 3), loss=sum(losses) / len(losses), threads=torch.get_num_threads(),
-        device=str(island.device), tokens_per_s=round(tokens / wall_s, 1),
+        device=str(island.device), tokens_per_s=round(tokens / wall_s, 1), step_end_s=step_end_s, step_cpu_s=step_cpu_s,
     )
     sink.write(record)
     sink.close()
@@ -402,14 +465,17 @@ def run_bare(out_dir: Path, flags: list[str], peers: int, timeout_s: float) -> t
         info["pids"] = {peer.name: peer.process.pid for peer in processes}
         info["exit_codes"] = {peer.name: peer.stop(grace_s=10) for peer in processes}
         info["process_groups_left"] = _groups_left(processes)
-    figures = {}
+    results = {}
     for peer in processes:
         records = [r for r in read_metrics(peer.metrics_file) if r.get("status") == "bare"] if peer.metrics_file.exists() else []
         if records:
-            figures[peer.name] = bare_figures(records[-1])
+            results[peer.name] = records[-1]
         else:
             info.setdefault("errors", {})[peer.name] = last_log_line(peer)
-    return figures, info
+    # every rate in the window all N workers ran (bare_figures), as the swarm's peers all do (a round ends them)
+    together = together_window(list(results.values())) if len(results) == peers else None
+    info["together_window_s"] = together and together[1] - together[0]
+    return {name: bare_figures(record, together) for name, record in results.items()}, info
 
 
 def run_swarm(out_dir: Path, flags: list[str], peers: int, timeout_s: float) -> tuple[dict[str, dict], dict[str, Any]]:
@@ -503,7 +569,11 @@ def main(argv: list[str] | None = None, prog: str = "bench_overhead.py") -> int:
         folder = out / f"bare-{index}"
         bares.append(run_bare(folder, bare_flags(args, extra, folder / GO_FILE), args.peers, args.timeout_s))
         for name, f in sorted(bares[-1][0].items()):
-            print(f"  bare {index}, {name}: {f['tokens']:,} tokens in {f['wall_s']:.2f} s = {f['tokens_per_s']:,.0f} "
+            print(f"  bare {index}, {name}: {f['tokens']:,} tokens in {f['wall_s']:.2f} s = "
+                  f"{f['own_window_tokens_per_s']:,.0f} tokens/s; while all ran ({f['window_s']:.2f} s): "
+                  f"{f['tokens_per_s']:,.0f} tokens/s (core share {_cell(f['cpu_share'], '.3f')})"
+                  if f["window"] == "together" else
+                  f"  bare {index}, {name}: {f['tokens']:,} tokens in {f['wall_s']:.2f} s = {f['tokens_per_s']:,.0f} "
                   f"tokens/s (core share {_cell(f['cpu_share'], '.3f')})", flush=True)
 
     bare_phase(1)
@@ -521,7 +591,9 @@ def main(argv: list[str] | None = None, prog: str = "bench_overhead.py") -> int:
                             bare_after=bare_sum(bares[index + 1][0])))
     ratios = [r["summary"]["ratio"] for r in repeats]
     ratio = statistics.median(ratios) if all(x is not None for x in ratios) else None
-    summary = dict(repeats=repeats, ratio=ratio, ratios=ratios,
+    own = [r["summary"]["ratio_own_windows"] for r in repeats]
+    own_ratio = statistics.median(own) if own and all(x is not None for x in own) else None
+    summary = dict(repeats=repeats, ratio=ratio, ratios=ratios, ratio_own_windows=own_ratio,
                    complete=all(r["summary"]["complete"] for r in repeats))
     result = dict(settings=settings, summary=summary,
                   bare=[dict(processes=figures, **info) for figures, info in bares],
@@ -536,6 +608,10 @@ def main(argv: list[str] | None = None, prog: str = "bench_overhead.py") -> int:
     headline = (f"swarm / bare tokens/s = {_cell(ratio, '.3f')}{f' (median of {each})' if len(ratios) > 1 else ''} "
                 f"({args.peers} processes, {args.threads} thread(s) each, batch {args.batch_size} x {args.seq_len}, "
                 f"H = {args.inner_steps}, {args.outer_steps} outer steps)")
+    if args.peers > 1:
+        own_each = ", ".join(_cell(x, ".3f") for x in own)
+        headline += (f"\n(bare rates while all {args.peers} ran; over each bare process's own window instead: "
+                     f"{_cell(own_ratio, '.3f')}{f' (median of {own_each})' if len(own) > 1 else ''})")
     (out / "overhead.json").write_text(json.dumps(result, indent=1))
     (out / "overhead.md").write_text(f"{headline}\n\n{table}")
     print(f"\n{table}\n{headline}", flush=True)

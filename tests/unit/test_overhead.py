@@ -24,6 +24,7 @@ from experiments.overhead import (
     summarise,
     swarm_figures,
     swarm_flags,
+    together_window,
 )
 from p2p_diloco.swarm.processes import cpu_seconds
 
@@ -158,6 +159,41 @@ def test_repeats_are_checked_before_anything_starts():
     with pytest.raises(ValueError, match="--repeats"):
         _check_peer_flags(args, [])
     assert _parser("bench_overhead.py").parse_args(["--out", "x"]).repeats == 1
+
+
+def _traced_record(step_s: list[float], start: float, cpu_share: float) -> dict:
+    """A bare worker's record with its per-step trace: step k took ``step_s[k]`` s at ``cpu_share`` of a core."""
+    ends = [sum(step_s[: k + 1]) for k in range(len(step_s))]
+    wall = ends[-1]
+    return dict(status="bare", steps=len(step_s), warmup_steps=2, tokens_per_step=2048, tokens=2048 * len(step_s),
+                wall_s=wall, compute_s=wall, cpu_s=cpu_share * wall, warmup_s=1.0, unix_start=start,
+                unix_end=start + wall, step_end_s=ends, step_cpu_s=[cpu_share * end for end in ends])
+
+
+def test_bare_rates_are_taken_while_every_worker_ran():
+    """Three workers on two cores: one finishes first and the two left run faster on its core. Over their own
+    windows the three rates count that core twice (core shares summing to over 2); over the window all three ran
+    they are the rates the swarm's peers, which all run to the end together, compete with."""
+    fast = _traced_record([0.2] * 100, start=1000.0, cpu_share=2 / 3)  # ends at 1020
+    # 0.3 s steps while three ran (2/3 of a core each would be 0.2 s: this one got less), then 0.15 s alone
+    slow_steps = [0.3] * 67 + [0.15] * 40
+    slow = _traced_record(slow_steps, start=1000.1, cpu_share=0.6)
+    window = together_window([fast, slow])
+    assert window == (1000.1, 1020.0)
+    f, s = bare_figures(fast, window), bare_figures(slow, window)
+    assert f["window"] == s["window"] == "together" and f["window_s"] == pytest.approx(19.9)
+    assert f["tokens_per_s"] == pytest.approx(2048 / 0.2)  # its steady rate
+    assert s["tokens_per_s"] == pytest.approx(2048 / 0.3)  # the rate it had while the other ran, not its tail's
+    assert s["own_window_tokens_per_s"] == pytest.approx(2048 * 107 / sum(slow_steps))
+    assert s["own_window_tokens_per_s"] > s["tokens_per_s"]  # the tail counted in its own window
+    assert s["cpu_share"] == pytest.approx(0.6) and s["cpu_tokens_per_s"] == pytest.approx(2048 / 0.3 / 0.6)
+    # a window that starts or ends inside a step counts the step's share of it
+    mid = bare_figures(fast, (1000.1, 1000.5))
+    assert mid["tokens_in_window"] == pytest.approx(2048 * 0.4 / 0.2)
+    # no common window, or no trace (an older worker): each over its own window, as before
+    assert together_window([fast, _traced_record([0.2] * 10, start=2000.0, cpu_share=0.5)]) is None
+    assert bare_figures(fast, None)["window"] == "own"
+    assert bare_figures(_bare_record(10_000.0), window)["tokens_per_s"] == pytest.approx(10_000.0)
 
 
 def test_concurrency_of_the_windows():
