@@ -36,7 +36,7 @@ def run_averaging(
 
     ``base``: the sha256 of the global params the outer gradient was measured from, declared in the group
     request: a group whose members declare different bases (one of them on a fork) averages nothing here.
-    ``part_norms``: the norm of each all-reduce part of ``tensors`` (``part_norms_of``), declared in the group request:
+    ``part_norms``: the norm of each norm block of ``tensors`` (``part_norms_of``), declared in the group request:
     every member checks the results it gets back against the group's declared norms (robust.result_problem).
 
     ``expected_group_size``: the peers this one expects (itself included); the group starts averaging as soon

@@ -89,8 +89,8 @@ class WireCodec(CompressionBase):
     def for_group(self, numels: Sequence[int], peer_fractions: Sequence[float]) -> WireCodec:
         """This codec with the part size of one all-reduce of tensors of ``numels`` values among reducers with
         ``peer_fractions`` (hivemind's shares; 0 for a client): whole blocks, as many as the smallest share holds, so
-        that each reducer gets its share in one part, or in a few even ones where a share is larger than hivemind's default
-        part (docs/design.md §2).
+        that each reducer gets its share in one part, or in a few even ones where a share is larger than hivemind's
+        default part (docs/design.md §2, "Parts").
 
         Every part is a message to its reducer and one back, each through both averagers' executors and ``p2pd``s:
         the fewer, the less a round costs the machine's CPU (docs/benchmarks.md, "Where a peer's time goes")."""
