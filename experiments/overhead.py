@@ -109,9 +109,9 @@ def _rate(tokens: float, seconds: float) -> float | None:
 def _at(ends: list[float], values: list[float], moment: float) -> float:
     """A cumulative count at ``moment`` (seconds since the timed steps began), ``values[k]`` reached at ``ends[k]``,
     0 at 0, linear in between (steps are back to back: a step's tokens and CPU accrue over its own time)."""
-    index = bisect.bisect_left(ends, moment)
     if moment <= 0 or not ends:
         return 0.0
+    index = bisect.bisect_left(ends, moment)
     if index >= len(ends):
         return values[-1]
     start, before = (ends[index - 1], values[index - 1]) if index else (0.0, 0.0)
@@ -149,9 +149,8 @@ def bare_figures(record: dict, together: tuple[float, float] | None = None) -> d
     if together is None or not ends or not cpu or together[1] <= together[0]:
         return figures
     first, last = (moment - record["unix_start"] for moment in together)
-    step_tokens = record["tokens_per_step"]
-    counted = _at(ends, [step_tokens * (k + 1) for k in range(len(ends))], last) - _at(
-        ends, [step_tokens * (k + 1) for k in range(len(ends))], first)
+    done = [record["tokens_per_step"] * (k + 1) for k in range(len(ends))]  # tokens by the end of each step
+    counted = _at(ends, done, last) - _at(ends, done, first)
     spent = _at(ends, cpu, last) - _at(ends, cpu, first)
     seconds = last - first
     figures.update(
@@ -241,9 +240,9 @@ def bracket(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
     return merged
 
 
-def bare_sum(figures: dict[str, dict]) -> float | None:
-    """The bare processes' tokens/s in all (None if one has none)."""
-    values = [f.get("tokens_per_s") for f in figures.values()]
+def bare_sum(figures: dict[str, dict], key: str = "tokens_per_s") -> float | None:
+    """The bare processes' tokens/s in all (None if one has none); ``key``: which of their rates."""
+    values = [f.get(key) for f in figures.values()]
     return sum(values) if values and all(v is not None for v in values) else None
 
 
@@ -284,18 +283,17 @@ def summarise(bare: dict[str, dict], swarm: dict[str, dict], peers: int) -> dict
         values = [r[key] for r in rows]
         return sum(values) if all(v is not None for v in values) else None
 
-    bare_sum, swarm_sum = total("bare_tokens_per_s"), total("swarm_tokens_per_s")
-    own = [f.get("own_window_tokens_per_s") for f in bare.values()]
-    own_sum = sum(own) if len(own) == peers and all(v is not None for v in own) else None
+    bare_total, swarm_total = total("bare_tokens_per_s"), total("swarm_tokens_per_s")
+    own_total = bare_sum(bare, "own_window_tokens_per_s") if len(bare) == peers else None
     return dict(
         complete=complete,
         per_process=rows,
-        bare_tokens_per_s_sum=bare_sum,
-        swarm_tokens_per_s_sum=swarm_sum,
-        ratio=_ratio(swarm_sum, bare_sum),
+        bare_tokens_per_s_sum=bare_total,
+        swarm_tokens_per_s_sum=swarm_total,
+        ratio=_ratio(swarm_total, bare_total),
         # each bare worker over its own window instead (how this benchmark counted before the common window)
-        bare_own_windows_tokens_per_s_sum=own_sum,
-        ratio_own_windows=_ratio(swarm_sum, own_sum),
+        bare_own_windows_tokens_per_s_sum=own_total,
+        ratio_own_windows=_ratio(swarm_total, own_total),
         compute_ratio=_ratio(total("swarm_compute_tokens_per_s"), total("bare_compute_tokens_per_s")),
         bare_concurrency=concurrency([(f["unix_start"], f["unix_end"]) for f in bare.values()]),
         swarm_concurrency=concurrency([(f["unix_start"], f["unix_end"]) for f in swarm.values()]),
@@ -569,12 +567,10 @@ def main(argv: list[str] | None = None, prog: str = "bench_overhead.py") -> int:
         folder = out / f"bare-{index}"
         bares.append(run_bare(folder, bare_flags(args, extra, folder / GO_FILE), args.peers, args.timeout_s))
         for name, f in sorted(bares[-1][0].items()):
-            print(f"  bare {index}, {name}: {f['tokens']:,} tokens in {f['wall_s']:.2f} s = "
-                  f"{f['own_window_tokens_per_s']:,.0f} tokens/s; while all ran ({f['window_s']:.2f} s): "
-                  f"{f['tokens_per_s']:,.0f} tokens/s (core share {_cell(f['cpu_share'], '.3f')})"
-                  if f["window"] == "together" else
-                  f"  bare {index}, {name}: {f['tokens']:,} tokens in {f['wall_s']:.2f} s = {f['tokens_per_s']:,.0f} "
-                  f"tokens/s (core share {_cell(f['cpu_share'], '.3f')})", flush=True)
+            together = (f"{f['own_window_tokens_per_s']:,.0f} tokens/s; while all ran ({f['window_s']:.2f} s): "
+                        if f["window"] == "together" else "")
+            print(f"  bare {index}, {name}: {f['tokens']:,} tokens in {f['wall_s']:.2f} s = {together}"
+                  f"{f['tokens_per_s']:,.0f} tokens/s (core share {_cell(f['cpu_share'], '.3f')})", flush=True)
 
     bare_phase(1)
     for index in range(1, args.repeats + 1):
