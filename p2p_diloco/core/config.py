@@ -244,6 +244,9 @@ class SwarmConfig:
     cross_check: bool = knob(False, "average every share of each round twice, by two different reducers, and apply it "
                              "only where both agree: a lying reducer then fails rounds instead of steering them "
                              "(twice the averaging bytes; every member of a group must set it alike)")
+    p2pd_threads: int = knob(1, "threads p2pd runs Go code on (GOMAXPROCS): one carries a peer's traffic and costs a "
+                             "busy machine less CPU than one per core (docs/benchmarks.md); 0: Go's default, or the "
+                             "environment's GOMAXPROCS", metavar="N")
     background_nice: int = knob(5, "raise the nice value of this peer's background work (its DHT, averager and p2pd "
                                 "processes, its progress and averaging threads) by this much, so that on a busy "
                                 "machine the training goes first (0: leave it)", metavar="N")
@@ -259,6 +262,7 @@ class SwarmConfig:
             f"swarm.run_id must be non-empty letters, digits, '-' or '_', got {show(self.run_id)}",
         )
         _one_of("swarm", "compression", self.compression, COMPRESSIONS)
+        _require(self.p2pd_threads >= 0, f"swarm.p2pd_threads must be >= 0, got {self.p2pd_threads}")
         _require(0 <= self.background_nice <= 19, f"swarm.background_nice must be 0..19, got {self.background_nice}")
         for name in ("matchmaking_time_s", "averaging_timeout_s", "chunk_timeout_s", "state_timeout_s",
                      "progress_period_s", "progress_ttl_s", "startup_timeout_s", "relay_wait_s"):

@@ -11,6 +11,7 @@ progress, averaging or training logic.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -47,9 +48,11 @@ class _PeerDHT(DHT):
     some of them (``-relayService``), so its argument builder is wrapped, in this DHT's own process only."""
 
     p2pd_flags: dict[str, Any] = {}
+    p2pd_env: dict[str, str] = {}  # set in this DHT's process, which starts p2pd: its child inherits them
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.environ.update(self.p2pd_env)
         if self.p2pd_flags:
             build, extra = P2P._make_process_args, dict(self.p2pd_flags)
             P2P._make_process_args = staticmethod(lambda *args, **flags: build(*args, **{**flags, **extra}))
@@ -80,6 +83,13 @@ def dht_options(config: SwarmConfig, mode: str) -> tuple[dict, dict]:
     if mode == "relay":
         flags["relayDiscovery"] = False  # p2pd uses the trusted relays as static ones only without discovery
     return options, flags
+
+
+def p2pd_env(config: SwarmConfig) -> dict[str, str]:
+    """Environment for ``p2pd``: ``GOMAXPROCS`` from ``--p2pd-threads`` (0 leaves Go's default). With one Go thread
+    per core, Go's scheduler spins looking for work whenever a message wakes it, CPU that on a machine whose cores
+    all train comes from the training (docs/benchmarks.md, "Where a peer's time goes")."""
+    return {"GOMAXPROCS": str(config.p2pd_threads)} if config.p2pd_threads > 0 else {}
 
 
 def circuit_addresses(config: SwarmConfig) -> list[str]:
@@ -117,6 +127,7 @@ def start_dht(
             try:
                 dht = _PeerDHT(**kwargs)
                 dht.p2pd_flags = flags
+                dht.p2pd_env = p2pd_env(config)
                 dht.run_in_background(await_ready=False)
                 dht.wait_until_ready(timeout=config.startup_timeout_s)
                 return dht

@@ -7,7 +7,7 @@ import pytest
 
 from p2p_diloco.core.config import SwarmConfig
 from p2p_diloco.swarm import reachability
-from p2p_diloco.swarm.joining import dht_options
+from p2p_diloco.swarm.joining import dht_options, p2pd_env
 from p2p_diloco.swarm.reachability import direct_line, observed_endpoint, relay_of
 
 PEER = "12D3KooWDGQAkevkKV36UiPMUBEyRAb3eS7DdurCmoSwf9NbQJsE"
@@ -101,3 +101,11 @@ def test_a_probe_nobody_answers_gives_up_after_its_attempts(monkeypatch):
     dht = _AnsweringDHT([])
     assert reachability.probe(dht, [f"/ip4/10.84.0.1/tcp/4001/p2p/{RELAY}", "/ip4/10.84.0.9/tcp/1"]) is None
     assert dht.asked == [RELAY] * reachability._PROBE_ATTEMPTS and slept == [1.0, 2.0]
+
+
+def test_p2pd_gets_its_go_threads_from_the_config():
+    assert p2pd_env(SwarmConfig()) == {"GOMAXPROCS": "1"}  # the default: one Go thread
+    assert p2pd_env(SwarmConfig(p2pd_threads=4)) == {"GOMAXPROCS": "4"}
+    assert p2pd_env(SwarmConfig(p2pd_threads=0)) == {}  # Go's default, or the environment's GOMAXPROCS
+    with pytest.raises(ValueError, match="swarm.p2pd_threads must be >= 0, got -1"):
+        SwarmConfig(p2pd_threads=-1)
