@@ -37,6 +37,12 @@ Each process's ratio is also factored exactly, from the CPU seconds its process 
 of a bare worker, ``compute_cpu_s`` of a peer's records): tokens/wall = tokens per CPU second (what a token costs:
 the peer's own threads, its cache disturbed) x CPU/compute (the share of a core its steps got: what the other
 processes on the machine took) x compute/wall (the steps' share of the wall time: evaluation, outer steps, waits).
+The tokens per CPU second moved by +-4% between phases of one run, with nothing changed in a peer (the machine is
+shared), and with them the ratio; so the ratio is also printed at the bare loops' CPU per token
+(``ratio_at_equal_cpu_cost``: the swarm's tokens/s over the sum of each bare rate times its process's tokens-per-CPU
+factor), the core share and the steps' share alone, a steadier figure for comparing two versions of a peer. It
+counts a peer's own threads' CPU per token (its beacon's and averaging thread's, in the trainer's process) as the
+machine's: the headline ratio does not.
 Writes ``overhead.json`` and ``overhead.md`` under ``--out``, each phase's logs and metrics in ``bare-i/`` and
 ``swarm-i/``.
 """
@@ -284,6 +290,11 @@ def summarise(bare: dict[str, dict], swarm: dict[str, dict], peers: int) -> dict
         return sum(values) if all(v is not None for v in values) else None
 
     bare_total, swarm_total = total("bare_tokens_per_s"), total("swarm_tokens_per_s")
+    # each bare process's rate had its tokens cost its CPU what the swarm's did: what is left of the ratio is the
+    # core share and the steps' share, what a peer takes from its trainer (tokens per CPU s move with the machine)
+    at_cost = [r["bare_tokens_per_s"] * r["cpu_cost_factor"] if r["bare_tokens_per_s"] and r["cpu_cost_factor"]
+               else None for r in rows]
+    bare_at_cost = sum(at_cost) if at_cost and None not in at_cost else None
     own_total = bare_sum(bare, "own_window_tokens_per_s") if len(bare) == peers else None
     return dict(
         complete=complete,
@@ -294,6 +305,7 @@ def summarise(bare: dict[str, dict], swarm: dict[str, dict], peers: int) -> dict
         # each bare worker over its own window instead (how this benchmark counted before the common window)
         bare_own_windows_tokens_per_s_sum=own_total,
         ratio_own_windows=_ratio(swarm_total, own_total),
+        ratio_at_equal_cpu_cost=_ratio(swarm_total, bare_at_cost),
         compute_ratio=_ratio(total("swarm_compute_tokens_per_s"), total("bare_compute_tokens_per_s")),
         bare_concurrency=concurrency([(f["unix_start"], f["unix_end"]) for f in bare.values()]),
         swarm_concurrency=concurrency([(f["unix_start"], f["unix_end"]) for f in swarm.values()]),
@@ -589,7 +601,10 @@ def main(argv: list[str] | None = None, prog: str = "bench_overhead.py") -> int:
     ratio = statistics.median(ratios) if all(x is not None for x in ratios) else None
     own = [r["summary"]["ratio_own_windows"] for r in repeats]
     own_ratio = statistics.median(own) if own and all(x is not None for x in own) else None
+    net = [r["summary"]["ratio_at_equal_cpu_cost"] for r in repeats]
+    net_ratio = statistics.median(net) if net and all(x is not None for x in net) else None
     summary = dict(repeats=repeats, ratio=ratio, ratios=ratios, ratio_own_windows=own_ratio,
+                   ratio_at_equal_cpu_cost=net_ratio,
                    complete=all(r["summary"]["complete"] for r in repeats))
     result = dict(settings=settings, summary=summary,
                   bare=[dict(processes=figures, **info) for figures, info in bares],
@@ -608,6 +623,9 @@ def main(argv: list[str] | None = None, prog: str = "bench_overhead.py") -> int:
         own_each = ", ".join(_cell(x, ".3f") for x in own)
         headline += (f"\n(bare rates while all {args.peers} ran; over each bare process's own window instead: "
                      f"{_cell(own_ratio, '.3f')}{f' (median of {own_each})' if len(own) > 1 else ''})")
+    net_each = ", ".join(_cell(x, ".3f") for x in net)
+    headline += (f"\n(at the bare loops' CPU per token, the core share and the steps' share alone: "
+                 f"{_cell(net_ratio, '.3f')}{f' (median of {net_each})' if len(net) > 1 else ''})")
     (out / "overhead.json").write_text(json.dumps(result, indent=1))
     (out / "overhead.md").write_text(f"{headline}\n\n{table}")
     print(f"\n{table}\n{headline}", flush=True)

@@ -221,8 +221,7 @@ def _clipped_mean(
     stacked = torch.stack([parts[i].reshape(-1) for i in candidates])
     count = len(candidates)
     if count >= 3:
-        ordered = stacked.sort(dim=0).values  # each coordinate's median: the mean of the middle two for an even count
-        centre = (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
+        centre = coordinate_median(list(stacked.unbind(0)))
     elif own in candidates and count == 2:
         centre = parts[own].reshape(-1).clone()  # two senders: neither is a majority; we trust our own part
     else:  # one sender (its part, exactly), or two of which neither is ours
@@ -244,6 +243,18 @@ def _clipped_mean(
             if distance > 2 * radius:
                 notes.setdefault(index, f"deviation {distance:.3g} from the centre cut to {radius:.3g}")
     return (centre + _weighted_mean(deviations, [weights[i] for i in candidates])).view(shape)
+
+
+def coordinate_median(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Each coordinate's median of ``rows`` (finite, of one shape): the mean of the middle two for an even count. The
+    rows are put in order by an odd-even transposition network of element-wise minima and maxima, which selects exactly
+    what ``torch.stack(rows).sort(dim=0)`` would, 8x faster on the CPU for 3 rows (a sort along the stacking dimension
+    sorts each column apart: it was a third of the averager's CPU, docs/benchmarks.md "Where a peer's time goes")."""
+    rows, count = list(rows), len(rows)
+    for sweep in range(count):
+        for j in range(sweep % 2, count - 1, 2):
+            rows[j], rows[j + 1] = torch.minimum(rows[j], rows[j + 1]), torch.maximum(rows[j], rows[j + 1])
+    return (rows[(count - 1) // 2] + rows[count // 2]) / 2
 
 
 def _weighted_mean(rows: torch.Tensor, weights: list[float]) -> torch.Tensor:

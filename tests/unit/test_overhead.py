@@ -129,6 +129,23 @@ def test_the_three_factors_multiply_to_the_ratio():
     assert old_row["ratio"] == pytest.approx(row["ratio"])
 
 
+def test_the_ratio_at_equal_cpu_cost_leaves_out_only_the_tokens_per_cpu_second():
+    """Two bare processes at 10,000 tokens/s; in the swarm one's tokens cost its CPU 10% more, the other's 10% less,
+    each with the same core and steps' shares: the ratio at the bare loops' CPU cost is those shares' product."""
+    bare = {f"bare{i}": bare_figures(_bare_record(10_000.0, cpu_share=0.66)) for i in range(2)}
+    swarm = {f"peer{i}": swarm_figures(_peer_records(720_000 * cost, 90.0, 81.0, 0.0, 4.0, cpu=0.6 * 81.0))
+             for i, cost in enumerate((1.1, 0.9))}
+    s = summarise(bare, swarm, peers=2)
+    rows = s["per_process"]
+    assert rows[1]["cpu_cost_factor"] / rows[0]["cpu_cost_factor"] == pytest.approx(0.9 / 1.1)
+    shares = rows[0]["cpu_share_factor"] * rows[0]["steps_share_factor"]
+    assert s["ratio_at_equal_cpu_cost"] == pytest.approx(shares)
+    mean_cost = (rows[0]["cpu_cost_factor"] + rows[1]["cpu_cost_factor"]) / 2
+    assert s["ratio"] == pytest.approx(shares * mean_cost) and mean_cost != pytest.approx(1.0)  # the raw ratio keeps it
+    without = {"peer0": swarm["peer0"], "peer1": {**swarm["peer1"], "cpu_tokens_per_s": None}}
+    assert summarise(bare, without, peers=2)["ratio_at_equal_cpu_cost"] is None  # left out, not made up
+
+
 def test_a_missing_process_leaves_the_sum_out_instead_of_understating_it():
     bare = {"bare0": bare_figures(_bare_record(10_000.0)), "bare1": bare_figures(_bare_record(10_000.0))}
     swarm = {"peer0": swarm_figures(_peer_records(640_000, 80.0, 64.0, 8.0, 4.0))}

@@ -9,7 +9,7 @@ import math
 import torch
 
 from p2p_diloco.core.portable import seeded_normal
-from p2p_diloco.core.robust import RobustPolicy, result_problem, robust_average
+from p2p_diloco.core.robust import RobustPolicy, coordinate_median, result_problem, robust_average
 
 SHAPE = torch.Size([4096])
 POLICY = RobustPolicy()
@@ -96,3 +96,21 @@ def test_a_result_is_checked_against_the_norms_the_group_declared():
     assert problem is not None and "median norm the group declared" in problem
     # with no declared norms (an earlier version), the looser check against what we sent
     assert result_problem(sent * 50, sent, POLICY) is None and result_problem(sent * 200, sent, POLICY) is not None
+
+
+def test_the_coordinate_median_is_exactly_what_a_sort_selects():
+    """The sorting network against torch's sort along the stacking dimension, bit for bit, for 1 to 7 rows: random
+    values, ties (rows equal in some coordinates), and rows that are all one value."""
+    generator = torch.Generator().manual_seed(5)
+    for count in range(1, 8):
+        rows = [torch.randn(4096, generator=generator) for _ in range(count)]
+        if count >= 2:
+            rows[1][:1000] = rows[0][:1000]  # ties
+        rows.append(torch.full((4096,), 0.25))
+        for group in (rows[:count], rows[: count + 1]):
+            ordered = torch.stack(group).sort(dim=0).values
+            n = len(group)
+            expected = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+            assert torch.equal(coordinate_median(group), expected), n
+    assert torch.equal(coordinate_median([torch.tensor([3.0, -1.0]), torch.tensor([1.0, 2.0]),
+                                          torch.tensor([2.0, 0.5])]), torch.tensor([2.0, 0.5]))
