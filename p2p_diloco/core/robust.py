@@ -249,7 +249,8 @@ def coordinate_median(rows: list[torch.Tensor]) -> torch.Tensor:
     """Each coordinate's median of ``rows`` (finite, of one shape): the mean of the middle two for an even count. The
     rows are put in order by an odd-even transposition network of element-wise minima and maxima, which selects exactly
     what ``torch.stack(rows).sort(dim=0)`` would, 8x faster on the CPU for 3 rows (a sort along the stacking dimension
-    sorts each column apart: it was a third of the averager's CPU, docs/benchmarks.md "Where a peer's time goes")."""
+    sorts each column apart: a third of a profile of the averager's process, docs/benchmarks.md "Where a peer's time
+    goes")."""
     rows, count = list(rows), len(rows)
     for sweep in range(count):
         for j in range(sweep % 2, count - 1, 2):
