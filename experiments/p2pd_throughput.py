@@ -24,6 +24,8 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2p_diloco.swarm.processes import cpu_seconds
 
+_TIMEOUT_S = 300.0  # for one transfer: 300 MiB take ~1 s on one core
+
 
 async def measure(threads: int, messages: int, message_bytes: int) -> dict:
     """One stream of ``messages`` messages of ``message_bytes`` between two daemons on ``threads`` Go threads each."""
@@ -57,10 +59,16 @@ async def measure(threads: int, messages: int, message_bytes: int) -> dict:
         pids = [[daemon._child.pid] for daemon in (sender, receiver)]
         cpu_before = [cpu_seconds(family, with_descendants=False) or 0.0 for family in pids]
         started = time.perf_counter()
-        received = 0.0
-        stream = await sender.iterate_protobuf_handler(receiver.peer_id, "sink", send(), averaging_pb2.AveragingData)
-        async for answer in stream:
-            received = answer.weight
+        answers: list[float] = []
+
+        async def transfer() -> None:
+            stream = await sender.iterate_protobuf_handler(receiver.peer_id, "sink", send(), averaging_pb2.AveragingData)
+            async for answer in stream:
+                answers.append(answer.weight)
+
+        # a stream that stalls ends the measurement with an error instead of a hang
+        await asyncio.wait_for(transfer(), timeout=_TIMEOUT_S)
+        received = answers[-1] if answers else 0.0
         seconds = time.perf_counter() - started
         cpu = [(cpu_seconds(family, with_descendants=False) or 0.0) - before for family, before in zip(pids, cpu_before)]
     finally:

@@ -22,11 +22,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from p2p_diloco.core import history
+from p2p_diloco.core.bans import TokenLedger, banned_by_majority
 from p2p_diloco.core.link import AveragingOutcome, RoundView
 from p2p_diloco.core.robust import (
     RobustPolicy,
-    TokenLedger,
-    banned_by_majority,
     own_reference,
     swarm_problem,
     swarm_reference,
@@ -94,7 +93,7 @@ class SwarmView:
         self.ledger = TokenLedger()
         # every set below is replaced whole, never changed in place: two threads read them
         self.banned: frozenset[str] = frozenset()  # reducers our averager banned (bad averages)
-        self.shunned: frozenset[str] = frozenset()  # peers most of the swarm banned (robust.banned_by_majority)
+        self.shunned: frozenset[str] = frozenset()  # peers most of the swarm banned (bans.banned_by_majority)
         self.history_banned: frozenset[str] = frozenset()  # unbacked claims, states that did not verify
         # peers proven to have averaged: our groups' members, and those a verified state's history names. Only they
         # vote on bans (anyone can write a progress record under any subkey)

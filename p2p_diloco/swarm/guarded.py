@@ -7,7 +7,7 @@ all-reduce", the failed-round path, after which the learner catches up from the 
 - ``GuardedAverager``: passes the weight limits for the round to its runner, hands the rejections back to the
   parent process, and in a closed run (``membership``) refuses every averaging RPC from a non-member. A reducer
   that returned bad averages is banned: never led by, never let into a group we lead, and named in each of our
-  group requests, so that it reduces no part in any group with us in it (``robust.demote_reducers``), even one
+  group requests, so that it reduces no part in any group with us in it (``bans.demote_reducers``), even one
   that a groupmate who has not banned it let it into.
 
 With ``cross_check`` every round runs a second all-reduce over the same values, each share reduced by another
@@ -31,8 +31,9 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 
+from p2p_diloco.core.bans import demote_reducers
 from p2p_diloco.core.cross_check import agreed_limits, disagreeing_shares, second_order, suspects
-from p2p_diloco.core.robust import RobustPolicy, demote_reducers
+from p2p_diloco.core.robust import RobustPolicy
 from p2p_diloco.swarm.averaging import DilocoAverager, PartialRoundError
 from p2p_diloco.swarm.guarded_runner import GuardedAllReduceRunner, RobustPartReducer, RoundGuard, declared_part_norms
 

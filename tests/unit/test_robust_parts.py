@@ -9,11 +9,10 @@ import pytest
 import torch
 from hivemind.dht.validation import DHTRecord
 
+from p2p_diloco.core.bans import TokenLedger, demote_reducers
 from p2p_diloco.core.robust import (
     RobustPolicy,
-    TokenLedger,
     clamp_weights,
-    demote_reducers,
     part_problem,
     result_excess,
     result_problem,

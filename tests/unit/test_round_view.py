@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+from p2p_diloco.core.bans import banned_by_majority
 from p2p_diloco.core.link import RoundView
-from p2p_diloco.core.robust import banned_by_majority
 from p2p_diloco.core.swarm_view import SwarmView
 
 NOW = 1e12  # the records' clock: they carry no time here, so nothing is extrapolated

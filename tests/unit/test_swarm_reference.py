@@ -8,11 +8,11 @@ import math
 
 import torch
 
+from p2p_diloco.core.bans import TokenLedger
 from p2p_diloco.core.link import AveragingOutcome
 from p2p_diloco.core.portable import seeded_normal
 from p2p_diloco.core.robust import (
     RobustPolicy,
-    TokenLedger,
     own_reference,
     result_problem,
     robust_average,
