@@ -301,6 +301,9 @@ class RunConfig:
     eval_every: int = knob(0, "outer steps between held-out evaluations (0: as often as keeps them within 1% of the "
                            "training compute, and at the last outer step of a run with a step limit)")
     eval_batches: int = knob(4, "batches of the held-out tail per evaluation")
+    eval_shared: bool = knob(True, "with --eval-every 0, take turns with the round's group at held-out evaluations: its "
+                             "members hold the same global params, so one evaluates them for all, as often as one "
+                             "peer alone would; off: every peer evaluates on its own")
     seed: int = knob(0, "model init seed, the same on every peer of a run; data order uses seed + shard")
     threads: int = knob(1, "torch CPU threads for this peer")
     device: str = knob("auto", "where a single-process peer trains: auto (a GPU if torch sees one, else the CPU), cpu, "

@@ -4,8 +4,10 @@ a null sink when none) and publishes a summary for the swarm's watchers (observe
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,6 +79,24 @@ def eval_due(outer_step: int, every: int, eval_s: float, last_eval_s: float, com
     return eval_s + last_eval_s <= EVAL_BUDGET * compute_s
 
 
+def eval_turn(outer_step: int, peer_id: str, group: Sequence[str], last_eval_s: float, round_compute_s: float,
+              final: bool) -> bool:
+    """With ``--eval-shared`` and ``--eval-every 0``, after a round averaged in a group of two or more: whether it is
+    this peer's turn to evaluate the held-out loss for the group. Every member of the group holds the same global
+    params (invariant 1) and the same held-out batches, so one evaluation serves them all (docs/design.md §2,
+    "Held-out evaluation"). The group evaluates every E outer steps, E the fewest that keep one evaluation (as long
+    as the last one took) per E rounds within ``EVAL_BUDGET`` of a round's compute: as often as one peer alone would
+    (``eval_due``). Member (outer_step // E) mod k of the group, sorted by id, takes it; so each of the k pays a k-th
+    of what it did alone. At the last outer step of a run with a step limit, member outer_step mod k."""
+    members = sorted(group)
+    if peer_id not in members:
+        return False
+    if final:
+        return members[outer_step % len(members)] == peer_id
+    every = max(1, math.ceil(last_eval_s / (EVAL_BUDGET * round_compute_s))) if round_compute_s > 0 else 1
+    return outer_step % every == 0 and members[(outer_step // every) % len(members)] == peer_id
+
+
 @torch.no_grad()
 def evaluate(learner: Learner) -> float:
     """Held-out loss of the *global* params (the model the swarm shares), not of our local progress."""
@@ -102,10 +122,15 @@ def write_record(
     run = learner.config.run
     now = time.monotonic()
     # the last outer step: of a step limit, or of a time limit that another round as long as this one would pass
-    final = 0 < run.max_outer_steps <= learner.outer_step or (
-        run.max_time_s > 0 and 2 * (now - learner.started) - learner.last_record_s >= run.max_time_s)
-    evaluate = outcome.status == "init" or (outcome.averaged is not None and eval_due(
-        learner.outer_step, run.eval_every, learner.eval_s, learner.last_eval_s, learner.compute_s, final))
+    step_final = 0 < run.max_outer_steps <= learner.outer_step
+    final = step_final or (run.max_time_s > 0 and 2 * (now - learner.started) - learner.last_record_s >= run.max_time_s)
+    if outcome.averaged is not None and run.eval_shared and run.eval_every == 0 and len(outcome.peers) >= 2 and (
+            step_final or not final):  # a time limit ends each peer at its own step: each evaluates its last
+        evaluate = eval_turn(learner.outer_step, link.peer_id, outcome.peers, learner.last_eval_s,
+                             learner.interval.compute_s, step_final)
+    else:
+        evaluate = outcome.status == "init" or (outcome.averaged is not None and eval_due(
+            learner.outer_step, run.eval_every, learner.eval_s, learner.last_eval_s, learner.compute_s, final))
     eval_started = time.monotonic()
     eval_loss = learner.evaluate() if evaluate else None
     if evaluate:

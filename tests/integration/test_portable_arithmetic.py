@@ -6,6 +6,7 @@ that cannot join."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -107,6 +108,10 @@ def test_swarm_py_with_a_muon_island_among_adamw_ones_is_one_swarm(tmp_path):
     for name, records in report["records"].items():
         assert sum(r["status"] == "ok" and r["group_size"] == 2 for r in records) >= 3, name
     assert report["final_eval_loss"] < report["initial_eval_loss"] - 1, (report["initial_eval_loss"], report["final_eval_loss"])
+    # the two took turns at the held-out loss (docs/design.md §2, --eval-shared): the last step's, one of them
+    evaluated = collections.Counter(r["outer_step"] for records in report["records"].values() for r in records
+                                    if r["eval_loss"] is not None and r["status"] == "ok")
+    assert evaluated[4] == 1 and set(evaluated.values()) == {1}, evaluated
 
 
 def _cpu_has_fma() -> bool:

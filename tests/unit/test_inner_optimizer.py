@@ -81,6 +81,7 @@ def test_one_muon_peer_with_a_plain_outer_step_is_muon_training(make_config):
     learner = Learner(config, make_dataset(config), metrics=NullSink())
     learner.run(LocalLink("none"))
     model = build_model(config.model, config.run.seed)
+    init = snapshot(model.parameters())
     optimizer, dataset = build_inner_optimizer("muon", model, config.inner.lr, 0.1), make_dataset(config)
     for _ in range(STEPS):
         inputs, targets = dataset.train.next_batch()
@@ -90,7 +91,12 @@ def test_one_muon_peer_with_a_plain_outer_step_is_muon_training(make_config):
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), config.inner.grad_clip_norm)
         optimizer.step()
     assert isinstance(learner.inner, MuonAdamW) and learner.outer_step == STEPS
-    assert_all_close(learner.global_params, list(model.parameters()))
+    # the plain outer step, g - (g - l), is l but for the last bit where g and l lie more than a factor 2 apart;
+    # torch's Muon orthogonalizes in bfloat16, where such a bit can round the other way: on an AVX2 CPU the matrices
+    # came out 2.3% of their 4 steps' update apart (the AdamW params 1e-6). A broken outer step is 100% off
+    for index, (ours, theirs, start) in enumerate(zip(learner.global_params, model.parameters(), init)):
+        update = (theirs.detach() - start).abs().max().item()
+        assert update > 0 and (ours - theirs.detach()).abs().max().item() <= 0.05 * update, index
 
 
 def test_a_muon_run_resumes_bit_identically_and_an_adamw_run_refuses_its_checkpoint(tmp_path, make_config):
