@@ -52,7 +52,7 @@ def test_a_group_takes_turns_one_evaluation_per_step_as_often_as_one_peer_alone(
     by_peer = _swarm_schedule(group, 60, cost=0.7, round_s=25.0, limit=60)
     steps = sorted(step for due in by_peer.values() for step in due)
     assert len(steps) == len(set(steps))  # never two members at one step: they hold the same params
-    # 0.7 s per 25 s round at a 1% budget: every 3rd step (one peer alone averaged every 2.8), and the last step
+    # 0.7 s per 25 s round at a 1% budget: every 3rd step (one peer alone evaluated every 2.8), and the last step
     assert steps == list(range(3, 61, 3))
     # each member took every third of them, in turn: a third of what it paid alone
     assert {peer[-1]: len(due) for peer, due in by_peer.items()} == {"a": 7, "b": 7, "c": 6}  # the last step: a's
