@@ -59,8 +59,10 @@ from p2p_diloco.core.compression import make_codec
 
 
 def tiny(method: str, **kwargs) -> Run:
+    # half the default width: the same layers, heads and context, a quarter of the matmuls (Muon's bf16 Newton-Schulz
+    # is slow on CPUs without bf16 instructions)
     return Run(method, kwargs.pop("inner_lr", 2e-3), steps=kwargs.pop("steps", 6), peers=kwargs.pop("peers", 1),
-               batch_size=2, eval_batches=1, **kwargs)
+               batch_size=2, eval_batches=1, d_model=kwargs.pop("d_model", 64), **kwargs)
 
 
 def test_lr_schedule_warms_up_linearly_then_decays_by_cosine_to_its_floor():
@@ -95,7 +97,7 @@ def test_momentum_and_the_codec_change_the_result():
     warmed = train(tiny("diloco", inner_steps=2, peers=2, outer_lr=0.7, outer_momentum=0.9, outer_warmup=2))
     losses = [r["final_loss"] for r in (plain, nesterov, int4, topk, fed_back, iid, muon, warmed)]
     assert len(set(losses)) == len(losses), losses
-    assert fed_back["key"].startswith("diloco H=2 reducer-feedback topk") and iid["key"].endswith("data=iid")
+    assert fed_back["key"].startswith("diloco H=2 reducer-feedback topk") and " data=iid" in iid["key"]
     assert muon["key"].endswith(" muon") and muon["optimizer"] == "muon"
     assert warmed["key"].endswith(" outer-warmup=2") and warmed["outer_warmup"] == 2
     # two islands on different data send different outer gradients: their mean is shorter than either (1/2 if orthogonal)
