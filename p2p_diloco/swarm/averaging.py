@@ -55,6 +55,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from p2p_diloco.core.feedback import ReducerFeedback
+from p2p_diloco.swarm import future_pipes
 from p2p_diloco.swarm.reducer import PartReducer
 from p2p_diloco.swarm.search import hold, hold_tasks
 from p2p_diloco.swarm.wire import MeteredStub, TrafficCounters, WireCodec, install_wire_codecs, metered
@@ -218,7 +219,9 @@ class DilocoAverager(DecentralizedAverager):
         self.reducer_feedback = reducer_feedback  # lives in the averager's process, where the parts are encoded
         self._round_step: int | None = None  # the outer step of the round being matched (set_round)
         self.runner_class = runner_class  # tests inject faults with a subclass (RPC names follow our class name)
+        future_pipes.before_fork()  # hivemind forks our process within its __init__ (start=True)
         super().__init__(averaged_tensors, dht, compression=wire_codec, **kwargs)
+        future_pipes.to_child(self._outer_pipe)  # a step's futures go without their answer's pipe
 
     def run(self) -> None:
         # the averager process belongs to its peer: a SIGTERM sent to the whole process group (systemd, a

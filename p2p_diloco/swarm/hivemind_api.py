@@ -17,6 +17,9 @@ anywhere else, before a peer joins a swarm (``join_swarm``). Where the private A
 - progress.py: ``DHTProtocol.call_store`` / ``call_ping``, ``routing_table``, ``storage``, ``record_validator``,
   ``node.blacklist`` and the p2p daemon client (pushed records, rejoining).
 - reachability.py, joining.py, membership.py: p2pd flags, ``P2P`` handlers, record validators.
+- future_pipes.py: ``MPFuture.__getstate__`` / ``__setstate__``, ``_global_sender_pipe``, the ``_outer_pipe`` of the
+  DHT and the averager.
+- p2p_writes.py: ``p2p_daemon_bindings`` ``write_pbmsg`` (in ``utils`` and ``control``) and ``P2P.send_protobuf``.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.core.config import SwarmConfig
+from p2p_diloco.swarm import future_pipes, p2p_writes
 from p2p_diloco.swarm.hivemind_api import check_version
 from p2p_diloco.swarm.reachability import (
     Reachability,
@@ -101,6 +102,7 @@ def start_dht(
     config: SwarmConfig, record_validators: Sequence[Any] = (), mode: str = "direct", check_identity: bool = True
 ) -> DHT:
     """Start this peer's DHT (and its ``p2pd``); raise SwarmStartError with a one-line reason."""
+    p2p_writes.install()  # before the DHT's process (and later the averager's) is forked: they inherit it
     options, flags = dht_options(config, mode)
     kwargs = dict(
         record_validators=list(record_validators),
@@ -125,7 +127,9 @@ def start_dht(
         for attempt in range(_BOOTSTRAP_ATTEMPTS):
             dht = None
             try:
+                future_pipes.before_fork()
                 dht = _PeerDHT(**kwargs)
+                future_pipes.to_child(dht._outer_pipe)  # the trainer's calls go without their answer's pipe
                 dht.p2pd_flags = flags
                 dht.p2pd_env = p2pd_env(config)
                 dht.run_in_background(await_ready=False)
