@@ -4,8 +4,8 @@ Every call into hivemind's DHT or averager process (a DHT read, a pushed progres
 ``MPFuture``, and a pickled ``MPFuture`` carries the pipe on which its result goes back to the process that made it.
 multiprocessing sends a pipe by its file descriptor through the sender's resource sharer: for each call the receiving
 process opens a socket to the sender, both sides run the HMAC challenge of the sender's authkey, and the descriptor
-is passed and closed again. That was about 40% of what a call costs on each side: a local DHT read 1.6 ms of CPU in
-all, 0.95 ms without it (docs/benchmarks.md, "Where a peer's time goes").
+is passed and closed again. That was about half of what a local DHT read costs: 2.0 ms of CPU on its two sides
+together, 0.95 ms without it (docs/benchmarks.md, "Calls into the background processes").
 
 The DHT's and the averager's processes are forked from the trainer, after its ``MPFuture`` backend has made that
 pipe, so each already holds it. ``before_fork`` notes the trainer's pipe where the child will inherit the note, and

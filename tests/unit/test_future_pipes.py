@@ -16,8 +16,10 @@ from p2p_diloco.swarm import future_pipes
 
 @pytest.fixture
 def patched(monkeypatch):
-    monkeypatch.setattr(MPFuture, "__getstate__", MPFuture.__getstate__)
-    monkeypatch.setattr(MPFuture, "__setstate__", MPFuture.__setstate__)
+    # hivemind's own pickling, whether or not a DHT started in this process (an integration test) installed ours
+    originals = future_pipes._hivemind or dict(getstate=MPFuture.__getstate__, setstate=MPFuture.__setstate__)
+    monkeypatch.setattr(MPFuture, "__getstate__", originals["getstate"])
+    monkeypatch.setattr(MPFuture, "__setstate__", originals["setstate"])
     monkeypatch.setattr(future_pipes, "_hivemind", {})
     monkeypatch.setattr(future_pipes, "_inherited", {})
     shared = []  # the descriptors multiprocessing puts up for another process to fetch (hivemind's way)

@@ -62,9 +62,10 @@ def test_a_stream_message_is_hivemind_s_bytes_in_one_write(payload):
 
 
 def test_install_replaces_both_framings_once_and_keeps_hivemind_s(monkeypatch):
-    originals = dict(write_pbmsg=utils.write_pbmsg, send_protobuf=P2P.send_protobuf)
+    originals = p2p_writes.hivemind_framings()  # hivemind's, whether or not a DHT started in this process installed ours
+    assert originals["write_pbmsg"] is not p2p_writes.write_pbmsg
     monkeypatch.setattr(utils, "write_pbmsg", originals["write_pbmsg"])
-    monkeypatch.setattr(control, "write_pbmsg", control.write_pbmsg)
+    monkeypatch.setattr(control, "write_pbmsg", originals["write_pbmsg"])
     monkeypatch.setattr(P2P, "send_protobuf", staticmethod(originals["send_protobuf"]))
     monkeypatch.setattr(p2p_writes, "_hivemind", {})
     p2p_writes.install()
