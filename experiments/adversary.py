@@ -21,6 +21,7 @@ and the cleverer ones, each just under a threshold or on a rule's blind side (do
   10x-median caps;
 - ``reducer_under``: as a reducer, returns the opposite of the true average, scaled to 95% of the largest result its
   groupmates accept (the group's declared part norms times ``result_median_ratio``);
+- ``round_ahead``: trains and averages honestly, but its records say it is one round further on than it is;
 - ``colluder``: two of them claim the same made-up history ahead (each vouches for the other's) and push their
   outer gradients, scaled as ``scaled_under``, in one shared direction.
 
@@ -103,6 +104,16 @@ class ScaledGradientLink(SwarmLink):
 class InflatedWeightLink(SwarmLink):
     def average(self, tensors: Sequence[torch.Tensor], weight: float, outer_step: int) -> AveragingOutcome:
         return super().average(tensors, max(1.0, weight) * WEIGHT_SCALE, outer_step)
+
+
+class RoundAheadLink(SwarmLink):
+    """Trains and averages honestly, but every progress record says it is one round further on than it is: a peer
+    already past a round ends that round for everyone who reads it (docs/design.md §4)."""
+
+    def publish(self, **fields: object) -> None:
+        if isinstance(fields.get("round"), int):
+            fields = dict(fields, round=fields["round"] + 1)
+        super().publish(**fields)
 
 
 class GarbageReducerLink(SwarmLink):
@@ -244,6 +255,7 @@ _LINKS: dict[str, type[SwarmLink]] = {
     "weight_under": WeightUnderLink,
     "reducer_under": ReducerUnderLink,
     "colluder": ColluderLink,
+    "round_ahead": RoundAheadLink,
 }
 
 

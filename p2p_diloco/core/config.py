@@ -227,6 +227,9 @@ class SwarmConfig:
                                    "a DHT store and read every 10th period find peers not yet known; about a third of "
                                    "the bytes of dht in a swarm of 4) or dht (a DHT store and read every period)",
                                    choices=PROGRESS_TRANSPORTS)
+    round_share_cap: float = knob(2.0, "a peer's tokens count towards a round's end at most this many times the "
+                                  "median peer's (3 peers or more): publishing more than it trains shortens no round; "
+                                  "0: no cap", metavar="X")
     startup_timeout_s: float = knob(60.0, "seconds allowed for joining the DHT at start")
     swarm_key_file: str | None = knob(None, "close the run: a file with a secret (>= 16 bytes) every member holds; only "
                                       "members store DHT records, average or download state (none: an open run)",
@@ -263,6 +266,8 @@ class SwarmConfig:
         )
         _one_of("swarm", "compression", self.compression, COMPRESSIONS)
         _require(self.p2pd_threads >= 0, f"swarm.p2pd_threads must be >= 0, got {self.p2pd_threads}")
+        _require(self.round_share_cap == 0 or 1 <= self.round_share_cap <= 1e6,
+                 f"swarm.round_share_cap must be 0 (no cap) or in [1, 1e6], got {self.round_share_cap}")
         _require(0 <= self.background_nice <= 19, f"swarm.background_nice must be 0..19, got {self.background_nice}")
         for name in ("matchmaking_time_s", "averaging_timeout_s", "chunk_timeout_s", "state_timeout_s",
                      "progress_period_s", "progress_ttl_s", "startup_timeout_s", "relay_wait_s"):

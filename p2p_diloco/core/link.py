@@ -61,8 +61,9 @@ class RoundView:
     """What this peer knows of the swarm's current round (from progress records up to a period or two old, extrapolated)."""
 
     live_peers: int  # other peers whose progress record is fresh
-    tokens_by_others: int  # tokens the other peers report for this round
-    peers_ahead: int  # other peers already past this round: the round is over
+    tokens_by_others: int  # tokens the other peers report for this round, each at most share_cap
+    peers_ahead: int  # other peers already past this round, where that ends it (most of them, or we are behind)
+    share_cap: int | None = None  # the most tokens one peer counts for in this round, ours included (None: no cap)
 
 
 class Link(Protocol):

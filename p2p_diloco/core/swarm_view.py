@@ -73,6 +73,13 @@ def tokens_now(record: Mapping, now: float, horizon_s: float) -> int:
     return tokens + int(extra)
 
 
+def _whole(value: object) -> int | None:
+    """A record's round or outer step as an int, or None where it is missing or not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return int(value)
+
+
 def horizon_s(record: Mapping, fast_s: float, idle_s: float, period_now_s: float) -> float:
     """How far ahead a peer's record is extrapolated: two periods, of the longer of the one it says it was published
     under and the one we read at now (a record read every 5 s may be 6 s old though published every second), within
@@ -85,10 +92,12 @@ def horizon_s(record: Mapping, fast_s: float, idle_s: float, period_now_s: float
 
 class SwarmView:
     """This peer's knowledge of the others (see the module docstring). ``anchors``: the peers it was told to join
-    through; ``fast_s``/``idle_s``: the progress records' periods, which bound how far a record is extrapolated."""
+    through; ``fast_s``/``idle_s``: the progress records' periods, which bound how far a record is extrapolated;
+    ``share_cap``: the most one peer's tokens count towards a round's end, in medians (0: no cap; round_view)."""
 
-    def __init__(self, own_id: str, anchors: Iterable[str] = (), fast_s: float = 1.0, idle_s: float = 5.0):
-        self.own_id, self.anchors = own_id, frozenset(anchors)
+    def __init__(self, own_id: str, anchors: Iterable[str] = (), fast_s: float = 1.0, idle_s: float = 5.0,
+                 share_cap: float = 0.0):
+        self.own_id, self.anchors, self.share_cap = own_id, frozenset(anchors), share_cap
         self.fast_s, self.idle_s, self.period_now_s = fast_s, idle_s, fast_s
         self.ledger = TokenLedger()
         # every set below is replaced whole, never changed in place: two threads read them
@@ -164,15 +173,42 @@ class SwarmView:
         quiet = self.quiet(live, silent_s)
         return {peer: record for peer, record in live.items() if peer not in quiet}
 
-    def round_view(self, records: Mapping[str, dict], round_index: int, now: float) -> RoundView:
-        """The others' progress in ``round_index``, the senders our reducer left out excepted (their tokens add
-        nothing to the outer step: they neither count towards the round's budget nor end it)."""
-        peers = [record for peer, record in records.items() if peer not in self.left_out]
+    def round_view(self, records: Mapping[str, dict], round_index: int, now: float,
+                   own: Mapping | None = None) -> RoundView:
+        """The others' progress in ``round_index`` as it decides the round's end (docs/design.md §4, End of a round),
+        the senders our reducer left out excepted (their tokens add nothing to the outer step: they neither count
+        towards the round's budget nor end it). A peer already past the round counts for the tokens it last published
+        in it (the ledger). With ``share_cap``, each peer counts for at most that many times the median of the
+        round's tokens, ours (``own``: our published record) included, so that nobody shortens the rounds by
+        publishing more than it trains. Peers past the round end it only as most of those in it or past it, or as
+        one already at a later outer step than the round (we are behind): one peer's word does not."""
+        peers = {peer: record for peer, record in records.items() if peer not in self.left_out}
+        known = self.ledger.allowed(round_index)  # the most each peer published for this round
+        counted, past, behind = [], 0, False
+        for peer, record in peers.items():
+            their_round = _whole(record.get("round"))
+            if their_round == round_index:
+                counted.append(tokens_now(record, now, self.horizon(record)))
+            elif their_round is not None and their_round > round_index and well_formed(record):
+                past += 1
+                counted.append(int(known.get(peer, 0)))
+                step = _whole(record.get("outer_step"))
+                behind = behind or (step is not None and step > round_index)
+        mine = tokens_now(own, now, self.horizon(own)) if own and _whole(own.get("round")) == round_index else 0
+        cap = self._share_cap([*counted, mine])
         return RoundView(
             live_peers=len(peers),
-            tokens_by_others=sum(tokens_now(r, now, self.horizon(r)) for r in peers if r.get("round") == round_index),
-            peers_ahead=sum(int(r.get("round", -1)) > round_index for r in peers if well_formed(r)),
+            tokens_by_others=sum(counted) if cap is None else sum(min(tokens, cap) for tokens in counted),
+            peers_ahead=past if behind or 2 * past > len(counted) else 0,
+            share_cap=cap,
         )
+
+    def _share_cap(self, tokens: list[int]) -> int | None:
+        """The most tokens one peer counts for in a round: ``share_cap`` times the upper median of the round's tokens
+        per peer, with 3 peers or more (as the reducer clamps weights, design.md §7); None: no cap."""
+        if self.share_cap <= 0 or len(tokens) < 3:
+            return None
+        return int(self.share_cap * sorted(tokens)[len(tokens) // 2])
 
     def target(self, records: Mapping[str, dict], chain: Sequence[history.Node], fresh: bool,
                now: float | None = None, silent_s: Callable[[str], float] | None = None,

@@ -78,7 +78,8 @@ class SwarmLink:
         self._averager: GuardedAverager | None = None
         # what we know of the others and decide from their records (pure: core/swarm_view.py); a fresh peer breaks
         # a tie by the word of the peers it was told to join through
-        self.view = SwarmView(self.peer_id, peer_ids_in(config.initial_peers), config.progress_period_s, config.idle_period_s)
+        self.view = SwarmView(self.peer_id, peer_ids_in(config.initial_peers), config.progress_period_s, config.idle_period_s,
+                              config.round_share_cap)
         self._pace = ProgressPace(config.progress_period_s, config.idle_period_s, config.progress_ttl_s)
         self._beacon: ProgressBeacon | None = None
         self._background_pids: list[int] | None = None  # the DHT's and averager's processes and theirs (background_cpu_s)
@@ -349,7 +350,7 @@ class SwarmLink:
     def round_view(self, round_index: int) -> RoundView:
         """The others' progress in ``round_index``, as of the beacon's last read (SwarmView.round_view)."""
         assert self._beacon is not None
-        return self.view.round_view(dict(self._beacon.peers), round_index, get_dht_time())
+        return self.view.round_view(dict(self._beacon.peers), round_index, get_dht_time(), self._beacon.own_record())
 
     def _next_period(self) -> float:
         """The beacon's next period (ProgressPace), which also bounds how far records are extrapolated."""

@@ -55,7 +55,8 @@ class Rounds:
             self._published = plan
             ends = dict(round_deadline=round(time.time() + deadline_s - (time.monotonic() - self.started), 3))
             link.publish(round_budget=budget, **(ends if deadline_s else {}))
-        if view.tokens_by_others + self.tokens >= budget:
+        own = self.tokens if view.share_cap is None else min(self.tokens, view.share_cap)
+        if view.tokens_by_others + own >= budget:
             return True
         return bool(deadline_s) and time.monotonic() - self.started >= deadline_s
 

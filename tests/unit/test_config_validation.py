@@ -31,6 +31,8 @@ from p2p_diloco.core.config_load import build_config, load_toml
         (lambda: OuterConfig(lr=0.0), "outer.lr"),
         (lambda: SwarmConfig(compression="zstd"), "swarm.compression"),
         (lambda: SwarmConfig(run_id="has space"), "swarm.run_id"),
+        (lambda: SwarmConfig(round_share_cap=0.5), "swarm.round_share_cap"),  # would hold even the median peer back
+        (lambda: SwarmConfig(round_share_cap=float("nan")), "swarm.round_share_cap"),
         (lambda: ModelConfig(d_model=30, n_heads=4), "model.n_heads"),
         (lambda: ModelConfig(n_layers=0), "model.n_layers"),
         (lambda: DataConfig(shard_index=2, num_shards=2), "data.shard_index"),

@@ -362,6 +362,19 @@ def test_round_is_over_when_the_swarm_tokens_reach_the_budget(make_config):
     assert not learner.round_is_over(enough) and enough.views_asked[-1] == 1
 
 
+def test_our_own_tokens_count_towards_the_round_at_most_the_share_cap(make_config):
+    """The cap the others' tokens are held to (SwarmView.round_view) holds ours too, so that every peer reading
+    the same records ends the round at the same tokens (docs/design.md §4)."""
+    learner = _learner(_config(make_config))
+    for _ in range(3):
+        learner.inner_step(FakeLink())
+    budget = H * BATCH_TOKENS * (1 + 2)
+    enough = RoundView(live_peers=2, tokens_by_others=budget - 3 * BATCH_TOKENS, peers_ahead=0)
+    assert learner.round_is_over(FakeLink(view=enough))
+    assert learner.round_is_over(FakeLink(view=RoundView(2, enough.tokens_by_others, 0, share_cap=3 * BATCH_TOKENS)))
+    assert not learner.round_is_over(FakeLink(view=RoundView(2, enough.tokens_by_others, 0, share_cap=2 * BATCH_TOKENS)))
+
+
 def test_configured_tokens_per_round_replace_the_default_budget(make_config):
     config = _config(make_config, inner=InnerConfig(inner_steps=H, batch_size=BATCH, tokens_per_round=5 * BATCH_TOKENS))
     learner = _learner(config)

@@ -22,13 +22,18 @@ def test_a_sender_left_out_of_our_latest_averaging_does_not_count_in_the_round()
         "poisoner": dict(round=4, round_tokens=5000, rate=0.0),  # trains and publishes, but its parts are refused
         "ahead": dict(round=5, round_tokens=10, rate=0.0),
     }
-    assert _view().round_view(records, 4, NOW) == RoundView(live_peers=3, tokens_by_others=6000, peers_ahead=1)
+    # one peer past the round of three in it or past it does not end it (test_one_peers_word_does_not_end_a_round)
+    assert _view().round_view(records, 4, NOW) == RoundView(live_peers=3, tokens_by_others=6000, peers_ahead=0)
+    # without the poisoner, the peer past the round is one of two: not most of them either
     assert _view(frozenset({"poisoner"})).round_view(records, 4, NOW) == RoundView(
-        live_peers=2, tokens_by_others=1000, peers_ahead=1
+        live_peers=2, tokens_by_others=1000, peers_ahead=0
     )
-    # a left-out peer that is ahead does not end our round either
-    records["poisoner"]["round"] = 5
-    assert _view(frozenset({"poisoner"})).round_view(records, 4, NOW).peers_ahead == 1
+    # two of three past it end it; a left-out peer that is ahead is not one of them
+    records["honest"]["round"] = 5
+    assert _view().round_view(records, 4, NOW).peers_ahead == 2
+    assert _view(frozenset({"poisoner"})).round_view(records, 4, NOW).peers_ahead == 2
+    records["poisoner"]["round"], records["honest"]["round"] = 5, 4
+    assert _view(frozenset({"poisoner"})).round_view(records, 4, NOW).peers_ahead == 0
 
 
 def test_a_banned_peers_progress_bounds_its_weight_though_it_is_not_live():
@@ -125,3 +130,57 @@ def test_a_group_does_not_wait_for_a_peer_whose_record_went_quiet():
     # everyone quiet: still a group of 2 at least (a target of 1 would step alone at once, and refuse every joiner)
     assert view.group_target(records, lambda peer: 60.0) == (2, ["idle", "killed", "liar", "training"])
     assert view.group_target({}, lambda peer: 60.0) == (1, [])
+
+
+def test_one_peers_word_does_not_end_a_round_most_of_them_do_and_so_does_a_later_outer_step():
+    """A peer past our round ends it for us only as most of the peers in it or past it, or as one at a later outer
+    step than the round (we are behind). One liar claiming the next round ended every honest peer's rounds at once:
+    honest tokens per outer step fell 4x and their tokens/s by a quarter (docs/security.md)."""
+    view = SwarmView("me")
+    records = {"a": dict(round=4, outer_step=4, round_tokens=1000), "b": dict(round=4, outer_step=4, round_tokens=900),
+               "liar": dict(round=4, outer_step=4, round_tokens=800)}
+    view.observe(records, NOW)  # the ledger: what each published for round 4
+    records["liar"] = dict(round=5, outer_step=4, round_tokens=0)  # "averaging step 4 already"
+    seen = view.round_view(records, 4, NOW)
+    assert seen.peers_ahead == 0 and seen.tokens_by_others == 1000 + 900 + 800  # it counts for what it published in 4
+    liar_alone = {"a": records["a"], "b": records["b"], "liar": dict(round=5, outer_step=4, round_tokens=0)}
+    assert SwarmView("me").round_view(liar_alone, 4, NOW).tokens_by_others == 1900  # it never published round 4: 0
+    # most of them past it: the round is over
+    records["a"] = dict(round=5, outer_step=4)
+    assert view.round_view(records, 4, NOW).peers_ahead == 2
+    # one peer a whole outer step past our round: it averaged step 4 without us, we are behind
+    records["a"] = dict(round=5, outer_step=5)
+    records["liar"] = dict(round=4, outer_step=4, round_tokens=800)
+    assert view.round_view(records, 4, NOW).peers_ahead == 1
+    # ... but not where it is only one round past (averaging the step we train for)
+    records["a"] = dict(round=5, outer_step=4)
+    assert view.round_view(records, 4, NOW).peers_ahead == 0
+    # a swarm of two: the other peer is all of "most of them"
+    assert SwarmView("me").round_view({"a": dict(round=5, outer_step=4)}, 4, NOW).peers_ahead == 1
+    # while we average step 4 (our round is 5), a peer that averaged it already and trains round 5 is not past us
+    assert SwarmView("me").round_view({"a": dict(round=5, outer_step=5), "b": dict(round=5, outer_step=4)}, 5,
+                                      NOW).peers_ahead == 0
+    # a malformed round or step ends nothing
+    bad = {"a": dict(round=float("inf"), outer_step=9), "b": dict(round=True, outer_step=9)}
+    assert SwarmView("me").round_view(bad, 4, NOW).peers_ahead == 0
+
+
+def test_a_peer_counts_for_at_most_share_cap_medians_of_the_rounds_tokens_ours_included():
+    """A peer that publishes more than it trains must not end the rounds sooner: each peer's tokens count towards a
+    round's end at most share_cap x the upper median of the round's tokens per peer, with 3 peers or more."""
+    own = dict(round=4, round_tokens=900)
+    records = {"h1": dict(round=4, round_tokens=1000), "h2": dict(round=4, round_tokens=1100),
+               "liar": dict(round=4, round_tokens=7000)}  # the weight liar published 7x what it trained
+    capped = SwarmView("me", share_cap=2.0).round_view(records, 4, NOW, own)
+    # tokens per peer 900 (us), 1000, 1100, 7000: upper median 1100, cap 2200
+    assert capped == RoundView(live_peers=3, tokens_by_others=1000 + 1100 + 2200, peers_ahead=0, share_cap=2200)
+    records["liar"]["round_tokens"] = 2199  # just under the cap: counted whole
+    assert SwarmView("me", share_cap=2.0).round_view(records, 4, NOW, own).tokens_by_others == 1000 + 1100 + 2199
+    # the median is the swarm's, not the liar's: two honest peers and one liar still cap it
+    two = {"h1": dict(round=4, round_tokens=1000), "liar": dict(round=4, round_tokens=50_000)}
+    assert SwarmView("me", share_cap=2.0).round_view(two, 4, NOW, own).tokens_by_others == 1000 + 2000
+    # our own record in another round (just restarted, not yet published) counts 0 in the median
+    assert SwarmView("me", share_cap=2.0).round_view(two, 4, NOW, dict(round=3, round_tokens=5000)).share_cap == 2000
+    # with one other peer there is no median to hold it to; with share_cap 0 nothing is capped
+    assert SwarmView("me", share_cap=2.0).round_view({"liar": two["liar"]}, 4, NOW, own).share_cap is None
+    assert SwarmView("me").round_view(records, 4, NOW, own).share_cap is None
