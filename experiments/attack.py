@@ -51,8 +51,7 @@ from p2p_diloco.core import checkpoint
 from p2p_diloco.observe.report import check_invariant_1, read_metrics
 
 SCENARIOS = ("calm", "nan", "scaled", "weight", "garbage_reducer", "wrong_donor", "non_member", "non_member_allow_list",
-             "ahead", "scaled_under", "weight_under", "reducer_under", "colluders",
-             "round_ahead")
+             "ahead", "scaled_under", "weight_under", "reducer_under", "colluders", "round_ahead")
 COLLUDING = {"colluders": "colluder"}  # scenarios of two adversaries (a swarm of five), and their --adversary kind
 STRANGERS = ("non_member", "non_member_allow_list")
 HONEST = ("honest0", "honest1", "honest2")

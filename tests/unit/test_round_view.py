@@ -135,7 +135,7 @@ def test_a_group_does_not_wait_for_a_peer_whose_record_went_quiet():
 def test_one_peers_word_does_not_end_a_round_most_of_them_do_and_so_does_a_later_outer_step():
     """A peer past our round ends it for us only as most of the peers in it or past it, or as one at a later outer
     step than the round (we are behind). One liar claiming the next round ended every honest peer's rounds at once:
-    honest tokens per outer step fell 4x and their tokens/s by a quarter (docs/security.md)."""
+    honest tokens per outer step fell 4x and their tokens/s 28% (docs/security.md, "The pace of the rounds")."""
     view = SwarmView("me")
     records = {"a": dict(round=4, outer_step=4, round_tokens=1000), "b": dict(round=4, outer_step=4, round_tokens=900),
                "liar": dict(round=4, outer_step=4, round_tokens=800)}
