@@ -79,13 +79,11 @@ class ChaosSwarm:
             # the first start only: all begin training together (a peer that starts seconds early trains alone and is
             # outvoted back to the start, docs/design.md §4); a restart joins whoever is there
             flags = [*self._flags(name, index), "--wait-for-peers", str(self.count)]
-            peer = start_peer(name, self.out_dir, flags, list(self.addresses.values())[:1] or None)
-            self.processes[name], self.lives[name] = peer, 1
-            if index == 0:
-                self.addresses[name] = wait_for_address(peer)
+            if index > 0:  # started together: the others join the first once it is in the swarm
+                flags += ["--join-ready-file", str(self.processes["peer0"].ready_file)]
+            self.processes[name], self.lives[name] = start_peer(name, self.out_dir, flags, None), 1
         for name, peer in self.processes.items():
-            if name not in self.addresses:
-                self.addresses[name] = wait_for_address(peer)
+            self.addresses[name] = wait_for_address(peer)
 
     def up(self) -> list[str]:
         return [name for name, peer in self.processes.items() if peer.alive and name not in self.down]

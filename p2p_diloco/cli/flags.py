@@ -90,9 +90,10 @@ def overrides_from(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def resolve_config(args: argparse.Namespace) -> PeerConfig:
     """defaults -> TOML file -> flags; raises ValueError with a one-line reason."""
     config = build_config(overrides_from(args))
-    # torch and hivemind load only now: a mistyped value is reported at once, not after seconds of imports
+    # torch and hivemind load only for the checks that need them (a checkpoint folder, say): a mistyped value is
+    # reported at once, not after seconds of imports
     from p2p_diloco.cli.preflight import check_local_inputs
-    from p2p_diloco.swarm.joining import check_multiaddr
+    from p2p_diloco.swarm.addresses import check_multiaddr
 
     for address in config.swarm.initial_peers + config.swarm.relays:
         check_multiaddr(address, need_peer_id=True)

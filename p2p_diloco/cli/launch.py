@@ -202,8 +202,10 @@ def run_swarm(args: argparse.Namespace, peer_args: list[str], out_dir: Path, pro
         def stop_requested() -> bool:
             return stopping["signal"] is not None
 
-        address = wait_for_address(start(0, None, first_args), stop=stop_requested)
-        others = [start(index, address, []) for index in range(1, on_time)]
+        # all at once: the others join the first through its ready file as soon as it is in the swarm
+        first = start(0, None, first_args)
+        others = [start(index, None, ["--join-ready-file", str(first.ready_file)]) for index in range(1, on_time)]
+        address = wait_for_address(first, stop=stop_requested)
         wait_for_ready(others, timeout_s=120.0, stop=stop_requested)  # a peer that can't join ends the launch
         print(f"swarm started: {on_time} peers, the first at {address}", flush=True)
         if getattr(args, "monitor_port", 0):

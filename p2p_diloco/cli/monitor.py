@@ -45,7 +45,7 @@ def monitor_main(argv: list[str] | None = None, prog: str = "monitor.py") -> int
 
 
 def _check_monitor_args(config: SwarmConfig, port: int, period_s: float) -> None:
-    from p2p_diloco.swarm.joining import check_multiaddr
+    from p2p_diloco.swarm.addresses import check_multiaddr
     from p2p_diloco.swarm.membership import RunMembership
 
     for address in config.initial_peers:

@@ -120,6 +120,20 @@ def _start_island(config: PeerConfig) -> Island:
                                           device=config.run.device, precision=config.inner.precision)
 
 
+def _join_through_ready_file(config: PeerConfig) -> PeerConfig:
+    """``config`` with the address in ``--join-ready-file`` among its initial peers, once that peer wrote it."""
+    if not config.swarm.join_ready_file:
+        return config
+    from dataclasses import replace
+
+    from p2p_diloco.cli.ready import wait_for_join_address
+    from p2p_diloco.swarm.addresses import check_multiaddr
+
+    address = wait_for_join_address(config.swarm.join_ready_file, config.swarm.startup_timeout_s)
+    check_multiaddr(address, need_peer_id=True)
+    return replace(config, swarm=replace(config.swarm, initial_peers=(*config.swarm.initial_peers, address)))
+
+
 STUCK_AFTER_STOP_S = 30.0  # beyond shutdown_wait_s: a stop request not done by then prints every thread's stack
 _FOLLOWER_GRACE_S = 10.0  # beyond rank 0's own shutdown wait; under torchrun's 30 s before it SIGKILLs
 
@@ -219,6 +233,11 @@ def _run_peer(config: PeerConfig, prog: str, link_class: type | None = None) -> 
 
     log.info("torch %s on %s, inner steps in %s: CPU kernels %s, %d threads", torch.__version__, island.device,
              island.inner_precision, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
+    try:  # model and data are loaded: join a peer started with us as soon as it is in the swarm
+        config = _join_through_ready_file(config)
+    except ValueError as e:
+        metrics.close()
+        return fail(prog, str(e), code=1)
     try:
         link = (link_class or SwarmLink)(config.swarm, learner.averaging_template(), learner.state_for_peers,
                                          config.inner.fragments)

@@ -143,8 +143,9 @@ def wait_for_address(peer: PeerProcess, timeout_s: float = 120.0, stop: Callable
 
 
 class LocalSwarm:
-    """Peers started one by one on 127.0.0.1 (the first one's address is the others' initial peer),
-    watched through their metrics files. Used by the benchmark scripts and the integration tests."""
+    """Peers started on 127.0.0.1 (the first one's address is the others' initial peer), watched through their
+    metrics files. Used by the benchmark scripts and the integration tests. A peer started before the first one
+    is in the swarm joins it through its ready file (``--join-ready-file``): the peers start together."""
 
     def __init__(
         self, out_dir: Path, flags: list[str], on_start: Callable[[int], None] | None = None, wan: Any = None
@@ -153,7 +154,18 @@ class LocalSwarm:
         self.out_dir, self.flags, self._on_start, self.wan = out_dir, list(flags), on_start, wan
         out_dir.mkdir(parents=True, exist_ok=True)
         self.peers: dict[str, PeerProcess] = {}
-        self.address: str | None = None
+        self._address: str | None = None
+
+    @property
+    def address(self) -> str:
+        """The first peer's join address, once it is in the swarm (waited for here if it is not yet)."""
+        if self._address is None:
+            self._address = wait_for_address(next(iter(self.peers.values())), timeout_s=90)
+        return self._address
+
+    @address.setter
+    def address(self, value: str) -> None:
+        self._address = value
 
     def start(
         self, name: str, shard: int, num_shards: int, extra: list[str] | None = None, append: bool = False,
@@ -163,12 +175,17 @@ class LocalSwarm:
         ``env``: as ``start_peer``'s)."""
         flags = [*self.flags, *(extra or []), "--shard-index", str(shard), "--num-shards", str(num_shards)]
         place = dict(command_prefix=self.wan.command_prefix(shard), host=self.wan.host(shard)) if self.wan else {}
-        peer = start_peer(name, self.out_dir, flags, self.address, append=append, entry=entry, env=env, **place)
+        if self._address is None and self.peers:  # the first peer is still starting
+            first = next(iter(self.peers.values()))
+            record = read_ready_file(first.ready_file) if first.ready_file else None
+            if record and isinstance(record.get("join_address"), str):
+                self._address = record["join_address"]
+            else:
+                flags += ["--join-ready-file", str(first.ready_file)]
+        peer = start_peer(name, self.out_dir, flags, self._address, append=append, entry=entry, env=env, **place)
         if self._on_start:
             self._on_start(peer.process.pid)
         self.peers[name] = peer
-        if self.address is None:
-            self.address = wait_for_address(peer, timeout_s=90)
         return peer
 
     def records(self, name: str) -> list[dict]:

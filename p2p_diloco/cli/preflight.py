@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from p2p_diloco.core import checkpoint, extras
+from p2p_diloco.core import extras
 from p2p_diloco.core.config import ModelConfig, PeerConfig
 
 _MAX_IDENTITY_BYTES = 1 << 16  # a libp2p RSA private key is about 1.2 KB
@@ -31,6 +31,8 @@ def check_local_inputs(config: PeerConfig) -> None:
             raise ValueError("--allow-list needs --identity PATH: the key this peer runs and signs as")
         check_on_allow_list(Path(config.swarm.identity_path), Path(config.swarm.allow_list_file))
     if config.run.checkpoint_dir:
+        from p2p_diloco.core import checkpoint  # torch: loaded only for a run that names a checkpoint folder
+
         checkpoint.check_folder(config.run.checkpoint_dir, config.run.resume)
     if config.run.metrics_file:
         _check_output_file(Path(config.run.metrics_file), "metrics file")
@@ -38,6 +40,8 @@ def check_local_inputs(config: PeerConfig) -> None:
         _check_output_file(Path(config.run.ready_file), "ready file")
         if not Path(config.run.ready_file).parent.is_dir():
             raise ValueError(f"ready file {config.run.ready_file} cannot be written: its folder does not exist")
+    if config.swarm.join_ready_file and not Path(config.swarm.join_ready_file).parent.is_dir():
+        raise ValueError(f"--join-ready-file {config.swarm.join_ready_file}: its folder does not exist")
     if config.run.tensorboard_dir:
         extras.require("tensorboard", "--tensorboard")
         check_tensorboard_dir(Path(config.run.tensorboard_dir))
@@ -54,6 +58,8 @@ def check_model_and_data(config: PeerConfig) -> None:
     cover seq_len, and it fits in memory."""
     model, data = config.model, config.data
     token_ids, source = 256, "UTF-8 bytes"
+    if data.corpus_dir and not data.dataset and not Path(data.corpus_dir).is_dir():  # data.py reads it, later
+        raise ValueError(f"corpus folder {data.corpus_dir} does not exist or is not a folder")
     if data.dataset:
         from p2p_diloco.train.text_data import find_files, load_tokenizer, vocab_size
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +37,18 @@ def read_ready_file(path: str | Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and isinstance(record.get("peer_id"), str) else None
+
+
+def wait_for_join_address(path: str | Path, timeout_s: float, poll_s: float = 0.1) -> str:
+    """The address others join with, from the ready file at ``path`` once its peer wrote it (``--join-ready-file``:
+    peers started together on one machine, the others joining the first, need no address before it has one).
+    Raises ValueError with a one-line reason if none is written within ``timeout_s`` or its peer can't be dialled."""
+    deadline = time.monotonic() + timeout_s
+    while (record := read_ready_file(path)) is None:
+        if time.monotonic() >= deadline:
+            raise ValueError(f"no peer wrote its ready file {path} within {timeout_s:g} s (--join-ready-file)")
+        time.sleep(poll_s)
+    address = record.get("join_address")
+    if not isinstance(address, str):
+        raise ValueError(f"the peer of ready file {path} can't be dialled (client mode): nothing to join")
+    return address

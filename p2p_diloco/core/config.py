@@ -199,6 +199,9 @@ class SwarmConfig:
     run_id: str = knob("p2p-diloco", "name of the training run; peers with the same run id train together")
     initial_peers: tuple[str, ...] = knob((), "multiaddrs of peers already in the swarm; none: start a new swarm and "
                                           "print the address others join with", metavar="MULTIADDR")
+    join_ready_file: str | None = knob(None, "join the peer whose --ready-file this is, once it is written (waiting at "
+                                       "most startup_timeout_s): peers started together need no address first",
+                                       metavar="PATH")
     host_maddrs: tuple[str, ...] = knob(("/ip4/0.0.0.0/tcp/0",), "where to listen (all interfaces, any free port)",
                                         metavar="MULTIADDR")
     announce_maddrs: tuple[str, ...] = knob((), "addresses to advertise to other peers, e.g. a public IP and port",

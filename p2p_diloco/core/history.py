@@ -123,13 +123,15 @@ def _before(own: Sequence[Node], chains: Iterable[Sequence[Node]]) -> set[Node]:
 
 def choose_target(
     records: Mapping[str, Mapping], own: Sequence[Node], fresh: bool, own_id: str = "", anchors: Iterable[str] = (),
-    unseen: int = 0,
+    unseen: int = 0, settled: bool = True,
 ) -> Target | None:
     """The state this peer should take, or None to keep its own. ``records``: the live, unbanned peers' progress
     records by peer id; ``own``: this peer's chain, head last; ``fresh``: whether its history is its own word only;
     ``anchors``: the peers it was told to join through (``--initial-peers``); ``unseen``: live peers this peer saw
     a moment ago whose records this read lacks (a partial read). They count as peers at our head, vouching for
-    nothing past it: a read that shows only a liar is no swarm of one. See the module docstring."""
+    nothing past it: a read that shows only a liar is no swarm of one. ``settled``: whether this peer has read the
+    swarm for long enough (two idle periods, SwarmView) to call a lone peer a swarm of one: before, only an anchor's
+    lone word is. See the module docstring."""
     others = _others(records, own_id)
     if not own or not others:
         return None
@@ -150,9 +152,14 @@ def choose_target(
         # two whose first round failed on its side only, or a joiner whose partner's chain still holds the start)
         at_ours = 1 + unseen + sum(chain[-1] == head for chain in others.values())
         # a tie goes to the further head only between lone words (a second peer joining a swarm of one): beside
-        # another peer at our start, two colluders' claim is a tie, and we wait for the swarm's first rounds
+        # another peer at our start, two colluders' claim is a tie, and we wait for the swarm's first rounds. A
+        # joiner's first reads may show only whoever reached it first (a liar's record, the honest ones' not yet
+        # read: a CI run): a lone word is a swarm of one once we have read the swarm a while, or if it is an anchor's
+        def lone(node: Node) -> bool:
+            return settled or any(node in others[peer] for peer in anchors if peer in others)
+
         better = {node for node in heads - behind
-                  if support[node] > at_ours or (support[node] == at_ours == 1 and node[0] > head[0])}
+                  if support[node] > at_ours or (support[node] == at_ours == 1 and node[0] > head[0] and lone(node))}
         return _fresh_choice(better, support, others, set(anchors))
     ours_too = behind | after
     elsewhere = [node for node, vouchers in support.items()

@@ -114,6 +114,7 @@ class SwarmView:
         # peer -> when (monotonic) a read last showed it live: one that a later read lacks counts as unseen, not gone,
         # for ``MEMORY_PERIODS`` idle periods (history.choose_target's ``unseen``)
         self._last_seen: dict[str, float] = {}
+        self._first_target_at: float | None = None  # when (monotonic) this peer first chose a state to take
         self._bad_states: dict[str, int] = {}
 
     def excluded(self) -> frozenset[str]:
@@ -220,8 +221,12 @@ class SwarmView:
         whether a peer's latest record expired (ProgressReader.expired), so that its absence is no partial read."""
         live = self.live(records)
         voters = self.voters(live, silent_s)
-        unseen = self._note_unseen(live, time.monotonic() if now is None else now, live.keys() - voters.keys(), gone)
-        target = history.choose_target(voters, chain, fresh, self.own_id, self.anchors, unseen)
+        now = time.monotonic() if now is None else now
+        unseen = self._note_unseen(live, now, live.keys() - voters.keys(), gone)
+        if self._first_target_at is None:
+            self._first_target_at = now
+        settled = now - self._first_target_at >= MEMORY_PERIODS * self.idle_s  # a lone word: a swarm of one, or a liar
+        target = history.choose_target(voters, chain, fresh, self.own_id, self.anchors, unseen, settled)
         if target is None and not fresh:
             for peer, node in history.unbacked_claims(voters, chain, self.own_id).items():
                 said, checks = self._claims.get(peer, (frozenset(), 0))

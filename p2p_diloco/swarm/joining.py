@@ -217,14 +217,3 @@ def peer_ids_in(addresses: Sequence[str]) -> list[str]:
         except Exception:
             continue
     return found
-
-
-def check_multiaddr(text: str, need_peer_id: bool) -> str:
-    """Return ``text`` if it is a valid multiaddr (with a /p2p/ peer id if asked); raise ValueError otherwise."""
-    try:
-        protocols = [p.name for p in Multiaddr(text).protocols()]
-    except Exception as e:
-        raise ValueError(f"bad multiaddr {text!r}: {first_line(e)}") from None
-    if need_peer_id and "p2p" not in protocols:
-        raise ValueError(f"initial peer {text!r} lacks its /p2p/<peer id> part (copy the whole address a peer printed)")
-    return text

@@ -67,3 +67,23 @@ def test_a_peer_codec_and_inner_step_do_not_load_torch_compiler():
     result = subprocess.run([sys.executable, "-c", COMPILER_SCRIPT], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+
+
+FLAG_CHECKS = """
+import sys
+from p2p_diloco.cli.peer import peer_main
+address = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+assert peer_main(["--initial-peers", "not-an-address"]) == 2
+assert peer_main(["--initial-peers", address, "--corpus-dir", "/nonexistent/corpus"]) == 2
+loaded = [n for n in sys.modules if n.split(".")[0] in ("torch", "hivemind")]
+assert not loaded, loaded[:5]
+assert "_p2p_diloco_vendored_multiaddr" in sys.modules  # the addresses were parsed, by hivemind's vendored parser
+"""
+
+
+def test_a_peer_s_flags_are_checked_without_loading_torch_or_hivemind():
+    """A mistyped address or a missing corpus is reported at once, not after seconds of imports (swarm/addresses.py)."""
+    result = subprocess.run([sys.executable, "-c", FLAG_CHECKS], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if ": error:" in line]
+    assert len(errors) == 2 and "bad multiaddr 'not-an-address'" in errors[0] and "corpus folder" in errors[1], errors

@@ -115,7 +115,8 @@ def test_monitor_page_in_chromium_shows_a_live_swarm(tmp_path, reaper):
         assert "live" in page.inner_text("#status")
         page.screenshot(path=str(tmp_path / "monitor.png"), full_page=True)
 
-        # the read-only monitor, which trains nothing, shows the same peers from the DHT
+        # the read-only monitor, which trains nothing, shows the same peers from the DHT (once it serves its page)
+        wait_for_log(tmp_path / "monitor.log", rf"open http://127\.0\.0\.1:{readonly_port}/", 0, 60)
         page.goto(f"http://127.0.0.1:{readonly_port}/")
         page.wait_for_function(LIVE_ROWS, arg=2, timeout=60_000)
         assert set(_row_ids(page)) == peer_ids

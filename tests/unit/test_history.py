@@ -208,6 +208,35 @@ def test_the_view_remembers_peers_a_read_lacks_for_two_idle_periods():
     assert view_.target({"x": claimer}, start, fresh=True, now=112.0) == Target(8, sha("x8"), "fresh")
 
 
+def test_a_joiner_whose_first_read_shows_only_a_claimer_waits_for_the_swarm():
+    """A joiner's first reads may show only the peer whose record reached it first: a claimer 5 steps ahead, the
+    honest peers' records not yet read (a CI run: a late joiner took the claimer's state at its first check, 0.2 s
+    in, and healed back 4 s later). Nobody was seen before, so nobody is unseen: a lone word that is not the peer we
+    joined through is a swarm of one only once we have read the swarm for two idle periods."""
+    start = [(0, sha("init"))]
+    claimer = [*history("h", 3), *history("x", 8, first=4)]
+    lone = view({"x": claimer})
+    assert choose_target(lone, start, fresh=True, own_id="a", settled=False) is None
+    assert choose_target(lone, start, fresh=True, own_id="a", anchors={"x"}, settled=False) == Target(8, sha("x8"), "fresh")
+    assert choose_target(lone, start, fresh=True, own_id="a", settled=True) == Target(8, sha("x8"), "fresh")
+    # a majority needs no settling: two honest peers seen at once are followed at the first read
+    honest = view({"b": history("h", 6), "c": history("h", 6), "x": claimer})
+    assert choose_target(honest, start, fresh=True, own_id="a", settled=False) == Target(6, sha("h6"), "fresh")
+
+    joiner = SwarmView("a", anchors=["b"], idle_s=5.0)
+    everyone = {"b": record(history("h", 6)), "c": record(history("h", 6)), "x": record(claimer)}
+    assert joiner.target({"x": record(claimer)}, start, fresh=True, now=100.0) is None
+    assert joiner.target(everyone, start, fresh=True, now=101.0) == Target(6, sha("h6"), "fresh")
+    # alone for two idle periods of reads, it is a swarm of two after all
+    alone = SwarmView("a", anchors=["b"], idle_s=5.0)
+    assert alone.target({"x": record(claimer)}, start, fresh=True, now=100.0) is None
+    assert alone.target({"x": record(claimer)}, start, fresh=True, now=109.0) is None
+    assert alone.target({"x": record(claimer)}, start, fresh=True, now=110.0) == Target(8, sha("x8"), "fresh")
+    # the peer we joined through is believed at once: a second peer joining a swarm of one waits for nothing
+    second = SwarmView("a", anchors=["b"], idle_s=5.0)
+    assert second.target({"b": record(history("h", 20))}, start, fresh=True, now=100.0) == Target(20, sha("h20"), "fresh")
+
+
 def test_a_killed_peers_record_beside_its_restart_makes_no_honest_survivor_a_claimant():
     """A peer killed at step 2 restarts from its checkpoint at step 2 under a new id; its old record lives until it
     expires. The two records made a majority of four for step 2, under which two honest survivors one step apart
