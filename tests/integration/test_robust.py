@@ -158,7 +158,9 @@ def test_a_reducer_returning_garbage_fails_the_round_then_is_banned_and_the_hone
 def test_cross_checked_rounds_never_apply_a_lying_reducers_average_and_ban_it():
     """A reducer that returns its share's true average turned around passes every check of size (docs/security.md):
     with --cross-check each share is reduced twice, by two peers, and a member applies a round only where both
-    agree. The liar fails two rounds, is banned by both honest peers, and they then average, checked, without it."""
+    agree. The liar fails two rounds, is banned by both honest peers, and they then average, checked, without it.
+    A round can also fail for a reason of the machine's (a clean-clone CI run: a member's parts arrived too late in
+    the second round, "53248 of 150000 values lost"): it applies nothing either, names nobody, and another is run."""
     torch.manual_seed(2)
     inputs = [[torch.randn(shape) for shape in SHAPES] for _ in range(3)]
     dhts = _dhts([[], [], []])
@@ -167,28 +169,38 @@ def test_cross_checked_rounds_never_apply_a_lying_reducers_average_and_ban_it():
     liar = dhts[2].peer_id.to_base58()
     honest_ids = sorted(dht.peer_id.to_base58() for dht in dhts[:2])
     try:
-        rounds, untouched = [], []
-        for _ in range(2):
+        rounds, untouched, named = [], [], 0  # named: rounds in which both honest peers caught the liar
+        while named < 2 and len(rounds) < 4:
             with averagers[0].get_tensors() as before:
                 before = [t.clone() for t in before]
             rounds.append(_average_concurrently(averagers, inputs, [1.0, 1.0, 1.0]))
             with averagers[0].get_tensors() as after:
                 untouched.append(all(torch.equal(a, inputs[0][k]) or torch.equal(a, before[k]) for k, a in enumerate(after)))
+            caught = [_caught(outcome, liar) for outcome in rounds[-1][:2]]
+            named += all(caught)
+            if any(caught) and not all(caught):
+                break  # one honest peer caught it and the other not: asserted below
         rejections = averagers[0].take_rejections()
         bans = [sorted(averager.banned_peers()) for averager in averagers[:2]]
         after_ban = _average_concurrently(averagers, inputs, [1.0, 1.0, 1.0], last_s=REFUSED_S)
     finally:
         _close(dhts, averagers)
-    for outcomes in rounds:
-        for outcome in outcomes[:2]:
-            assert outcome.status == "partial" and outcome.averaged is None, (outcome.status, outcome.reason)
-            assert "different averages" in outcome.reason and liar in outcome.reason, outcome.reason
+    for outcomes in rounds:  # every round failed and applied nothing, both honest peers alike
+        reasons = [outcome.reason for outcome in outcomes[:2]]
+        assert all(outcome.status == "partial" and outcome.averaged is None for outcome in outcomes[:2]), reasons
+        assert all(_caught(outcome, liar) for outcome in outcomes[:2]) or all("values lost" in r for r in reasons), reasons
+    assert named == 2, [outcome.reason for outcomes in rounds for outcome in outcomes[:2]]
     assert all(untouched)  # the turned-around share never reached the averager's tensors
     assert any(peer == liar and "differed" in why for peer, why in rejections), rejections
     assert not any(peer in honest_ids for peer, _ in rejections), rejections  # only the liar is blamed
     assert bans == [[liar], [liar]]  # one strike a round: banned at the second
     # the honest two, each share reduced by both of them: they agree
     _assert_the_honest_pair_averaged_alone(after_ban, inputs, honest_ids)
+
+
+def _caught(outcome, liar: str) -> bool:
+    """Whether a cross-checked round failed because two reducers of a share disagreed, naming ``liar``."""
+    return "different averages" in outcome.reason and liar in outcome.reason
 
 
 def _assert_the_honest_pair_averaged_alone(outcomes, inputs, honest_ids) -> None:
