@@ -19,28 +19,32 @@ _PRIVATE_NAME = "_p2p_diloco_vendored_multiaddr"
 
 @cache
 def _multiaddr_class() -> Any:
-    if "hivemind" in sys.modules:
-        from hivemind.utils.multiaddr import Multiaddr
+    if "hivemind" not in sys.modules:
+        try:
+            return _load_vendored().Multiaddr
+        except Exception:  # laid out otherwise, or a dependency missing: the slow way below says what is wrong
+            sys.modules.pop(_PRIVATE_NAME, None)
+    from hivemind.utils.multiaddr import Multiaddr
 
-        return Multiaddr
+    return Multiaddr
+
+
+def _load_vendored() -> Any:
     found = importlib.util.find_spec("hivemind")  # a top-level name: found, not imported
-    folder = Path(found.origin).parent / "utils" / "multiaddr" if found and found.origin else None
-    if folder is None or not (folder / "__init__.py").is_file():
-        from hivemind.utils.multiaddr import Multiaddr  # laid out otherwise: the slow way
-
-        return Multiaddr
+    folder = Path(found.origin).parent / "utils" / "multiaddr"
     spec = importlib.util.spec_from_file_location(_PRIVATE_NAME, folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[_PRIVATE_NAME] = module  # its relative imports resolve against this name
     spec.loader.exec_module(module)
-    return module.Multiaddr
+    return module
 
 
 def check_multiaddr(text: str, need_peer_id: bool) -> str:
     """Return ``text`` if it is a valid multiaddr (with a /p2p/ peer id if asked); raise ValueError otherwise."""
+    parse = _multiaddr_class()
     try:
-        protocols = [p.name for p in _multiaddr_class()(text).protocols()]
+        protocols = [p.name for p in parse(text).protocols()]
     except Exception as e:
         lines = str(e).strip().splitlines()
         raise ValueError(f"bad multiaddr {text!r}: {lines[-1].strip() if lines else type(e).__name__}") from None

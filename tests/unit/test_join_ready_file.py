@@ -99,3 +99,14 @@ def test_addresses_are_checked_by_hivemind_s_own_parser():
                          ("/ip4/127.0.0.1/tcp/9", "lacks its /p2p/")):
         with pytest.raises(ValueError, match=reason):
             addresses.check_multiaddr(text, need_peer_id=True)
+
+
+def test_the_vendored_parser_loads_by_itself_and_agrees_with_hivemind_s():
+    from hivemind.utils.multiaddr import Multiaddr
+
+    vendored = addresses._load_vendored()
+    assert vendored.Multiaddr is not Multiaddr and vendored.__name__ == "_p2p_diloco_vendored_multiaddr"
+    for text in (FIRST, "/ip4/0.0.0.0/tcp/0", "/ip6/::1/tcp/4001"):
+        assert str(vendored.Multiaddr(text)) == str(Multiaddr(text))
+    with pytest.raises(Exception, match="Must begin with /"):
+        vendored.Multiaddr("not-an-address")
