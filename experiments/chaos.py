@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from p2p_diloco.cli.peer_processes import PeerProcess, start_peer, wait_for_address
+from p2p_diloco.cli.peer_processes import PeerProcess, joining, start_peer, wait_for_address
 from p2p_diloco.core import checkpoint
 from p2p_diloco.observe.report import check_invariant_1, read_metrics, split_lives
 
@@ -80,7 +80,7 @@ class ChaosSwarm:
             # outvoted back to the start, docs/design.md §4); a restart joins whoever is there
             flags = [*self._flags(name, index), "--wait-for-peers", str(self.count)]
             if index > 0:  # started together: the others join the first once it is in the swarm
-                flags += ["--join-ready-file", str(self.processes["peer0"].ready_file)]
+                flags += joining(self.processes["peer0"])
             self.processes[name], self.lives[name] = start_peer(name, self.out_dir, flags, None), 1
         for name, peer in self.processes.items():
             self.addresses[name] = wait_for_address(peer)

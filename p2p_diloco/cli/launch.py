@@ -19,7 +19,14 @@ from typing import Any, TextIO
 
 from p2p_diloco.cli.flags import OneLineParser, add_peer_flags, resolve_config
 from p2p_diloco.cli.peer import fail
-from p2p_diloco.cli.peer_processes import PeerProcess, last_log_line, start_peer, wait_for_address, wait_for_ready
+from p2p_diloco.cli.peer_processes import (
+    PeerProcess,
+    joining,
+    last_log_line,
+    start_peer,
+    wait_for_address,
+    wait_for_ready,
+)
 from p2p_diloco.core import extras
 from p2p_diloco.observe.report import build_report, invariant_1_status, plot_report, read_metrics
 
@@ -204,7 +211,7 @@ def run_swarm(args: argparse.Namespace, peer_args: list[str], out_dir: Path, pro
 
         # all at once: the others join the first through its ready file as soon as it is in the swarm
         first = start(0, None, first_args)
-        others = [start(index, None, ["--join-ready-file", str(first.ready_file)]) for index in range(1, on_time)]
+        others = [start(index, None, joining(first)) for index in range(1, on_time)]
         address = wait_for_address(first, stop=stop_requested)
         wait_for_ready(others, timeout_s=120.0, stop=stop_requested)  # a peer that can't join ends the launch
         print(f"swarm started: {on_time} peers, the first at {address}", flush=True)

@@ -102,6 +102,12 @@ def start_peer(
     return PeerProcess(name, process, metrics_file, log_file, ready_file)
 
 
+def joining(first: PeerProcess) -> list[str]:
+    """The flags of a peer started beside ``first``, before it is in the swarm: join it once its ready file is written
+    (``--join-ready-file``), so that both import and load at the same time."""
+    return ["--join-ready-file", str(first.ready_file)]
+
+
 def last_log_line(peer: PeerProcess) -> str:
     """The last line a peer wrote to its log (its one-line error, when it failed), or "(no output)"."""
     text = peer.log_file.read_bytes()[-8192:].decode(errors="replace") if peer.log_file.exists() else ""
@@ -181,7 +187,7 @@ class LocalSwarm:
             if record and isinstance(record.get("join_address"), str):
                 self._address = record["join_address"]
             else:
-                flags += ["--join-ready-file", str(first.ready_file)]
+                flags += joining(first)
         peer = start_peer(name, self.out_dir, flags, self._address, append=append, entry=entry, env=env, **place)
         if self._on_start:
             self._on_start(peer.process.pid)
