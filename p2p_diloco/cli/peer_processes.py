@@ -24,6 +24,17 @@ PEER_COMMAND = ["-m", "p2p_diloco.cli", "peer"]
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds p2p_diloco/ (site-packages, or a clone)
 
 
+def popen(command: list[str], env: dict[str, str], log_file: Path, append: bool) -> subprocess.Popen:
+    """A peer's start: a fresh interpreter in its own session (process group), its output into ``log_file``."""
+    with open(log_file, "ab" if append else "wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+# how a peer's process starts: ``popen``, or what takes the same arguments and returns what the launcher uses of a
+# Popen (pid, returncode, poll, wait, send_signal): the integration tests fork theirs from a warm server
+Spawn = Callable[[list[str], dict[str, str], Path, bool], Any]
+
+
 @dataclass
 class PeerProcess:
     """One peer started by the launcher, in its own process group."""
@@ -79,6 +90,7 @@ def start_peer(
     host: str = "127.0.0.1",
     entry: list[str] | None = None,
     env: dict[str, str] | None = None,
+    spawn: Spawn = popen,
 ) -> PeerProcess:
     """Start a peer (``python -m p2p_diloco.cli peer``) in its own process group, logging to ``out_dir/NAME.log``, writing metrics to
     ``out_dir/NAME.jsonl`` and its ready file to ``out_dir/NAME.ready.json``; ``append`` keeps the log and metrics
@@ -95,11 +107,13 @@ def start_peer(
     initial = [initial_peer] if isinstance(initial_peer, str) else list(initial_peer or [])
     if initial:
         command += ["--initial-peers", *initial]
+    return PeerProcess(name, spawn(command, peer_environment(env), log_file, append), metrics_file, log_file, ready_file)
+
+
+def peer_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A peer's environment: ours, unbuffered, one OpenMP thread, this package importable, plus ``env``."""
     path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    environment = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **(env or {}))
-    with open(log_file, "ab" if append else "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=environment)
-    return PeerProcess(name, process, metrics_file, log_file, ready_file)
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **(env or {}))
 
 
 def joining(first: PeerProcess) -> list[str]:
@@ -154,10 +168,12 @@ class LocalSwarm:
     is in the swarm joins it through its ready file (``--join-ready-file``): the peers start together."""
 
     def __init__(
-        self, out_dir: Path, flags: list[str], on_start: Callable[[int], None] | None = None, wan: Any = None
+        self, out_dir: Path, flags: list[str], on_start: Callable[[int], None] | None = None, wan: Any = None,
+        spawn: Spawn = popen,
     ):
-        """``wan``: start the peer of shard i inside the emulated network's namespace i, not on 127.0.0.1."""
-        self.out_dir, self.flags, self._on_start, self.wan = out_dir, list(flags), on_start, wan
+        """``wan``: start the peer of shard i inside the emulated network's namespace i, not on 127.0.0.1;
+        ``spawn``: how each peer's process starts (``start_peer``'s)."""
+        self.out_dir, self.flags, self._on_start, self.wan, self._spawn = out_dir, list(flags), on_start, wan, spawn
         out_dir.mkdir(parents=True, exist_ok=True)
         self.peers: dict[str, PeerProcess] = {}
         self._address: str | None = None
@@ -188,7 +204,9 @@ class LocalSwarm:
                 self._address = record["join_address"]
             else:
                 flags += joining(first)
-        peer = start_peer(name, self.out_dir, flags, self._address, append=append, entry=entry, env=env, **place)
+        peer = start_peer(
+            name, self.out_dir, flags, self._address, append=append, entry=entry, env=env, spawn=self._spawn, **place
+        )
         if self._on_start:
             self._on_start(peer.process.pid)
         self.peers[name] = peer

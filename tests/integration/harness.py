@@ -6,7 +6,9 @@ import re
 import time
 from pathlib import Path
 
-from p2p_diloco.cli.peer_processes import LocalSwarm
+from p2p_diloco.cli.peer_processes import LocalSwarm, popen
+
+WARM = None  # the session's warm-start server (conftest.py), while the integration tests run
 
 # small and quick, but the real code path: DHT, matchmaking, butterfly all-reduce, int8 codec
 PEER_SCRIPT = Path(__file__).resolve().parents[2] / "peers" / "peer.py"  # what a volunteer runs
@@ -24,7 +26,8 @@ def local_swarm(
     """A LocalSwarm of fast test peers whose process groups the test's reaper kills at teardown;
     ``built_in_model=False`` leaves out the built-in model's shape (for a model that ``extra_flags`` name)."""
     flags = FAST_PEER_FLAGS if built_in_model else FAST_PEER_FLAGS[len(FAST_MODEL_FLAGS) :]
-    return LocalSwarm(out_dir, flags + (extra_flags or []), on_start=reaper.append)
+    spawn = WARM.spawn if WARM is not None else popen  # forked warm where nothing would differ (warm_start.py)
+    return LocalSwarm(out_dir, flags + (extra_flags or []), on_start=reaper.append, spawn=spawn)
 
 
 def wait_for_log(path: Path, pattern: str, offset: int, timeout_s: float) -> None:
