@@ -37,4 +37,8 @@ def _warm_starts():
     harness.WARM.start()
     yield
     harness.WARM.close()
-    harness.WARM = None
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if harness.WARM is not None:  # so that a run in which the tests' peers silently started fresh shows it
+        terminalreporter.write_line(harness.WARM.summary())

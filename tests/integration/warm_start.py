@@ -32,11 +32,24 @@ from p2p_diloco.cli.peer_processes import popen
 SERVER = Path(__file__).resolve()
 
 
+# read only by libraries the server does not import (it imports what a default peer does: test_hf_swarm.py checks
+# that the Hugging Face libraries are not among them), or by nothing a peer imports: the child takes them before it
+# runs, as any other variable of the environment it is given. The tests' own process sets some of them: pytest the
+# test's name, whatever loads a Hugging Face tokenizer or model there the offline switches (hf_model.force_offline),
+# the Hugging Face test its cache folder
+_NOT_READ_AT_IMPORT = ("PYTEST_CURRENT_TEST",)
+_NOT_READ_AT_IMPORT_PREFIXES = ("HF_", "TRANSFORMERS_")
+
+
 def _read_at_import(env: dict[str, str]) -> dict[str, str]:
-    """What of an environment the server's imports may have read: all of it, but for pytest's name of the test
-    that runs (set anew for each test, read by nothing a peer imports). A peer's own environment is the one it asks
-    for either way: the child takes it before it runs."""
-    return {key: value for key, value in env.items() if key != "PYTEST_CURRENT_TEST"}
+    """What of an environment the server's imports may have read."""
+    return {key: value for key, value in env.items()
+            if key not in _NOT_READ_AT_IMPORT and not key.startswith(_NOT_READ_AT_IMPORT_PREFIXES)}
+
+
+def _differing(env: dict[str, str], other: dict[str, str]) -> str:
+    first, second = _read_at_import(env), _read_at_import(other)
+    return ", ".join(sorted(k for k in first.keys() | second.keys() if first.get(k) != second.get(k)))
 
 
 class WarmProcess:
@@ -82,12 +95,25 @@ class WarmStarter:
         self.broken = False
         self._lock, self._changed = threading.Lock(), threading.Condition()
         self._next_id, self._answers, self._exits = 0, {}, {}
+        self.forked, self.fresh = 0, {}  # peers started each way (fresh: by why), for the session's summary
+
+    def summary(self) -> str:
+        fresh = ", ".join(f"{count} for {why}" for why, count in sorted(self.fresh.items())) or "none"
+        return f"warm starts: {self.forked} peers forked from the server; started fresh: {fresh}"
 
     def spawn(self, command: list[str], env: dict[str, str], log_file: Path, append: bool):
         prefix = [sys.executable, *self.peer_command]
-        if command[: len(prefix)] != prefix or _read_at_import(env) != _read_at_import(self.environment) \
-                or os.getcwd() != self.cwd or not self._serving():
+        fresh_because = (
+            "another command" if command[: len(prefix)] != prefix
+            else f"another environment ({_differing(env, self.environment)})"
+            if _read_at_import(env) != _read_at_import(self.environment)
+            else "another working directory" if os.getcwd() != self.cwd
+            else "no server" if not self._serving() else None
+        )
+        if fresh_because is not None:
+            self.fresh[fresh_because] = self.fresh.get(fresh_because, 0) + 1
             return popen(command, env, log_file, append)
+        self.forked += 1
         with self._lock:
             self._next_id += 1
             request_id = self._next_id
@@ -160,6 +186,10 @@ class WarmStarter:
 
 def _preload() -> None:
     """What every peer imports on its default path (cli/peer.py), nothing more."""
+    from p2p_diloco.swarm.hivemind_api import UNUSED_IMPORTS, load_on_first_use
+
+    for name in UNUSED_IMPORTS:  # as peer_main does, before hivemind
+        load_on_first_use(name)
     import torch
 
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # loads torch._dynamo as a peer's first optimizer; no RNG drawn
