@@ -3,7 +3,7 @@
 
 1. The imports a peer makes, each timed in CPU seconds in one fresh interpreter, in the order a peer makes them:
    torch; the first ``torch.optim`` optimizer (it loads ``torch._dynamo``); the int8 codec (``make_codec``, which
-   imports bitsandbytes); hivemind.
+   imports bitsandbytes); hivemind (what a peer leaves unloaded until used, ``hivemind_api.UNUSED_IMPORTS``, too).
 2. One peer alone (``LocalSwarm``: the default model unless the extra flags say otherwise, ``--max-outer-steps 1``,
    ``--inner-steps 20``), ``--runs`` times one after the other: the seconds from its launch to its first metrics
    record (the init record: imports, model, data, DHT, ``p2pd`` and the reachability probe done) and to its exit.
@@ -26,6 +26,9 @@ from p2p_diloco.cli.peer_processes import LocalSwarm  # noqa: E402
 
 IMPORTS = """
 import json, time
+from p2p_diloco.swarm.hivemind_api import UNUSED_IMPORTS, load_on_first_use
+for name in UNUSED_IMPORTS:  # as a peer does before it imports hivemind
+    load_on_first_use(name)
 cpu = {}
 start = time.process_time()
 import torch

@@ -62,7 +62,20 @@ def peer_main(argv: list[str] | None = None, prog: str = "p2p-diloco peer", link
 
         print(dump_toml(config), end="", flush=True)
         return 0
-    configure_logging(args.log_level)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # until the peer is up; then its own handlers stop it cleanly
+        signal.signal(signum, _interrupt_start)
+    try:
+        return _start_and_run_peer(args.log_level, config, prog, link_class)
+    except _StoppedWhileStarting as e:
+        return _stopped_while_starting(prog, e.signum)
+
+
+def _start_and_run_peer(log_level: str, config: PeerConfig, prog: str, link_class: type | None) -> int:
+    from p2p_diloco.swarm.hivemind_api import UNUSED_IMPORTS, load_on_first_use
+
+    for name in UNUSED_IMPORTS:  # before hivemind is imported (configure_logging imports it)
+        load_on_first_use(name)
+    configure_logging(log_level)
     # a native crash (torch, gloo, bitsandbytes) prints every thread's Python stack before the process dies:
     # the one clue a volunteer's log or a CI run keeps of where it happened
     try:
@@ -71,6 +84,27 @@ def peer_main(argv: list[str] | None = None, prog: str = "p2p-diloco peer", link
         pass
     stacks.enable()  # SIGUSR1: every thread's stack into the log (the launcher asks a peer it is about to kill)
     return _run_peer(config, prog, link_class)
+
+
+class _StoppedWhileStarting(BaseException):  # not an Exception: no ``except Exception`` on the way keeps it
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt_start(signum: int, _frame: object) -> None:
+    raise _StoppedWhileStarting(signum)
+
+
+def _stopped_while_starting(prog: str, signum: int) -> int:
+    """Ctrl-C or SIGTERM before the peer was up (importing, loading, waiting for ``--join-ready-file``, starting
+    its DHT): one line, whatever of the swarm's processes had started gone, and 128 + the signal's number."""
+    for ignored in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not interrupt the cleaning up
+        signal.signal(ignored, signal.SIG_IGN)
+    if "p2p_diloco.swarm.processes" in sys.modules:  # the DHT, averager and p2pd may be running
+        sys.modules["p2p_diloco.swarm.processes"].reap_descendants()
+    print(f"{prog}: stopped by {signal.Signals(signum).name} while starting, before it was in the swarm", file=sys.stderr, flush=True)
+    return 128 + signum
 
 
 def _show_identity(path: str | None, prog: str) -> int:

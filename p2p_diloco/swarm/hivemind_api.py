@@ -25,7 +25,12 @@ anywhere else, before a peer joins a swarm (``join_swarm``). Where the private A
 from __future__ import annotations
 
 import asyncio
+import importlib.machinery
+import importlib.util
 import logging
+import sys
+import threading
+import types
 
 SUPPORTED_VERSION = "1.1.12"
 # what a call into hivemind's processes raises when it fails: its futures raise asyncio's CancelledError, a
@@ -61,3 +66,50 @@ def is_libp2p_key(data: bytes) -> bool:
     except Exception:
         return False
     return True
+
+
+# imported by hivemind for what no peer of ours runs: scipy.optimize (~0.45 CPU s of a peer's ~5 s of imports) for
+# the averager's bandwidth balancer (hivemind/averaging/load_balancing.py), which calls it only for peers that declare
+# a bandwidth; ours never do. Each loads at its first use instead (load_on_first_use)
+UNUSED_IMPORTS = ("scipy.optimize",)
+
+
+class _LoadsOnFirstUse(types.ModuleType):
+    """Stands in ``sys.modules`` for a module not imported yet: the attributes an import sets (``__file__``,
+    ``__spec__``, ``__path__``...) are its own, so that a scan of ``sys.modules`` (``inspect.getmodule``, which torch
+    runs as it registers operators) loads nothing; any other attribute imports the module, then is the module's."""
+
+    def __init__(self, spec: importlib.machinery.ModuleSpec):
+        super().__init__(spec.name)
+        self.__spec__, self.__loader__, self.__file__, self.__package__ = spec, spec.loader, spec.origin, spec.parent
+        if spec.submodule_search_locations is not None:
+            self.__path__ = list(spec.submodule_search_locations)
+
+    def __getattr__(self, attribute: str) -> object:
+        name = self.__spec__.name
+        with _LOADING:
+            if sys.modules.get(name) is self:
+                del sys.modules[name]
+            module = importlib.import_module(name)  # in sys.modules and on its package from now on
+        return getattr(module, attribute)
+
+
+_LOADING = threading.RLock()  # the module's own import may reach its stand-in (through its package)
+
+
+def load_on_first_use(name: str) -> None:
+    """Import module ``name`` (of a package that is imported now) only when one of its attributes is first read;
+    nothing if it is imported already or not installed."""
+    if name in sys.modules:
+        return
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return
+    if spec is None:
+        return
+    stand_in = _LoadsOnFirstUse(spec)
+    sys.modules[name] = stand_in
+    parent, _, child = name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], child, stand_in)

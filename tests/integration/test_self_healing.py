@@ -146,6 +146,50 @@ def test_corrupt_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path):
     assert "Traceback" not in failed.stderr
 
 
+def _wait_for_torch(pid: int, timeout_s: float) -> None:
+    """Until the process maps libtorch: it is importing torch, past the start of peer_main (its handlers set)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
+            if "libtorch" in maps.read():
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"the peer did not load torch within {timeout_s} s")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_peer_stopped_while_starting_says_so_in_one_line_and_leaves_nothing(tmp_path, reaper, signum):
+    """Ctrl-C (SIGINT) while the peer waits for the peer it joins; SIGTERM while it imports torch (a fresh
+    interpreter). Either way: one line, no traceback, 128 + the signal's number, nothing of it left running."""
+    never = tmp_path / "never.ready.json"  # the peer it joins never comes up
+    flags = ["--join-ready-file", str(never), "--startup-timeout-s", "120", "--max-time-s", "60"]
+    if signum == signal.SIGINT:
+        peer = local_swarm(tmp_path, reaper).start("peer0", shard=0, num_shards=1, extra=flags)
+        pid, log = peer.process.pid, peer.log_file
+        wait_for_log(log, "CPU kernels", 0, 60)  # loaded, now waiting for the ready file
+        os.killpg(pid, signum)  # Ctrl-C in a terminal reaches the whole group
+        code = peer.process.wait(timeout=30)
+    else:
+        log = tmp_path / "fresh.log"
+        with open(log, "wb") as out:
+            process = subprocess.Popen([sys.executable, str(PEER_SCRIPT), *FAST_PEER_FLAGS, *flags],
+                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        pid = process.pid
+        reaper.append(pid)
+        _wait_for_torch(pid, 60)
+        process.send_signal(signum)
+        code = process.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while not _group_gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    text = log.read_text(errors="replace")
+    assert code == 128 + signum, text[-2000:]
+    assert "Traceback" not in text, text[-2000:]
+    assert text.strip().splitlines()[-1].endswith(
+        f": stopped by {signal.Signals(signum).name} while starting, before it was in the swarm"), text[-2000:]
+    assert _group_gone(pid)
+
+
 @pytest.mark.timeout(300)
 def test_short_chaos_run_heals(tmp_path, reaper):
     """Loose bounds on a short run; scripts/chaos.py runs the long one whose figures are quoted."""
