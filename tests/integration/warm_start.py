@@ -36,9 +36,10 @@ SERVER = Path(__file__).resolve()
 # that the Hugging Face libraries are not among them), or by nothing a peer imports: the child takes them before it
 # runs, as any other variable of the environment it is given. The tests' own process sets some of them: pytest the
 # test's name, whatever loads a Hugging Face tokenizer or model there the offline switches (hf_model.force_offline),
-# the Hugging Face test its cache folder
+# the Hugging Face test its cache folder, torch its compiler's cache folder the first time anything there compiles
+# (torch._inductor, which a peer does not load: test_layers_import.py checks it)
 _NOT_READ_AT_IMPORT = ("PYTEST_CURRENT_TEST",)
-_NOT_READ_AT_IMPORT_PREFIXES = ("HF_", "TRANSFORMERS_")
+_NOT_READ_AT_IMPORT_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCHINDUCTOR_")
 
 
 def _read_at_import(env: dict[str, str]) -> dict[str, str]:
