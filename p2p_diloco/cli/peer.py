@@ -86,6 +86,21 @@ def _start_and_run_peer(log_level: str, config: PeerConfig, prog: str, link_clas
     return _run_peer(config, prog, link_class)
 
 
+class _ReentrantEvent(threading.Event):
+    def __init__(self) -> None:
+        super().__init__()
+        self._cond = threading.Condition(threading.RLock())  # threading.Event's own lock, made re-entrant
+
+
+def stop_event() -> threading.Event:
+    """The peer's stop request, set by its SIGINT and SIGTERM handlers. A handler runs in the main thread between
+    two of its bytecodes, also while that thread holds the event's lock (inside ``set()``, or inside ``wait()``
+    before it sleeps): with ``threading.Event``'s plain lock it waited for itself forever. Seen in a CI run's chaos
+    test: the launcher's SIGTERM, then its stop's second SIGTERM arriving inside the first handler's ``set()``; the
+    peer hung until SIGKILLed. Its lock is re-entrant here, so a handler's ``set()`` always returns."""
+    return _ReentrantEvent()
+
+
 class _StoppedWhileStarting(BaseException):  # not an Exception: no ``except Exception`` on the way keeps it
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -192,9 +207,11 @@ def _follow(config: PeerConfig, island: Island, prog: str) -> int:
     """A rank other than 0 of a torchrun island: train in step with rank 0 until it stops; no swarm, no files."""
     from p2p_diloco.train.learner import Learner
 
-    stop = threading.Event()  # ends a wait for the agreed start time; the training stops when rank 0 says so
+    stop = stop_event()  # ends a wait for the agreed start time; the training stops when rank 0 says so
 
     def request_stop(*_: object) -> None:
+        if stop.is_set():  # a second signal: the first one's stop is under way
+            return
         stop.set()
         _leave_unless_stopped(island.rank, config.run.shutdown_wait_s + _FOLLOWER_GRACE_S)
 
@@ -252,7 +269,7 @@ def _run_peer(config: PeerConfig, prog: str, link_class: type | None = None) -> 
     watch = SwarmWatch(config.swarm.run_id)
     progress = TerminalProgress(watch)
     metrics = FanOutSink([metrics, watch, progress])
-    stop = threading.Event()
+    stop = stop_event()
     try:
         learner = Learner(config, dataset, metrics, stop, island)
         resumed = learner.resume() if config.run.resume else None
@@ -280,6 +297,8 @@ def _run_peer(config: PeerConfig, prog: str, link_class: type | None = None) -> 
         return fail(prog, f"could not join the swarm: {e}", code=1)
 
     def request_stop(*_: object) -> None:
+        if stop.is_set():  # a second signal (the launcher's SIGTERM, then its stop's): the first one's is under way
+            return
         stop.set()
         # a peer still running well past its shutdown wait is stuck somewhere: its stacks say where (cli/stacks.py)
         stacks.arm(config.run.shutdown_wait_s + STUCK_AFTER_STOP_S)

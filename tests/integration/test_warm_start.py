@@ -68,3 +68,23 @@ def test_a_peer_whose_start_would_differ_from_a_fork_starts_fresh(tmp_path, warm
     for peer in (given_env, prefixed, plain):
         assert peer.process.wait(timeout=60) == 0, peer.log_file.read_text()[-2000:]
         assert "[model]" in peer.log_file.read_text()
+
+
+def _semaphores(pid: int) -> set[str]:
+    """The process-shared semaphores (multiprocessing's locks) a process maps."""
+    with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
+        return {line.split()[5] for line in maps.read().splitlines() if len(line.split()) > 5 and "/sem." in line.split()[5]}
+
+
+def test_warm_peers_share_no_lock_with_each_other_or_the_server(tmp_path, warm, reaper):
+    """hivemind makes process-shared locks as it is imported; forked from one server, two peers would share them (a
+    peer SIGKILLed holding one wedged every other peer's averager in CI). Each peer has its own, as fresh ones do."""
+    swarm = LocalSwarm(tmp_path, [*harness.FAST_PEER_FLAGS, "--max-time-s", "60"], on_start=reaper.append, spawn=warm.spawn)
+    peers = [swarm.start(f"peer{i}", shard=i, num_shards=2) for i in range(2)]
+    assert all(isinstance(peer.process, WarmProcess) for peer in peers)
+    wait_for_ready(peers, 60)
+    first, second, server = (_semaphores(pid) for pid in (peers[0].process.pid, peers[1].process.pid, warm.server.pid))
+    assert first and second and server, (first, second, server)
+    assert not first & second and not (first | second) & server, (first & second, (first | second) & server)
+    assert all(code == 0 for code in swarm.stop_all().values())
+

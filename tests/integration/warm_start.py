@@ -271,11 +271,20 @@ def serve() -> dict:
 
 
 def run_child(request: dict) -> None:
+    import multiprocessing
+
     import numpy
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
 
     import p2p_diloco.cli.__main__ as entry
     from p2p_diloco.cli import main
 
+    # hivemind makes process-shared locks as it is imported (MPFuture's, SharedBytes', its executor's): a fresh
+    # peer has its own, shared with its own DHT and averager only; forked, every peer would share the server's, and
+    # a peer SIGKILLed holding one would wedge every other peer's calls into its background processes
+    MPFuture.reset_backend()
+    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
     os.environ.clear()
     os.environ.update(request["env"])
     numpy.random.seed()  # a fresh interpreter's numpy draws its own seed; a fork would share the server's
