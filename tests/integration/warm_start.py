@@ -114,7 +114,6 @@ class WarmStarter:
         if fresh_because is not None:
             self.fresh[fresh_because] = self.fresh.get(fresh_because, 0) + 1
             return popen(command, env, log_file, append)
-        self.forked += 1
         with self._lock:
             self._next_id += 1
             request_id = self._next_id
@@ -125,6 +124,7 @@ class WarmStarter:
         answer = self._wait_for(lambda: self._answers.pop(request_id, None), 30)
         if answer is None or "pid" not in answer:
             raise RuntimeError(f"the warm-start server did not fork the peer: {answer}")
+        self.forked += 1  # counted once forked, for the summary
         return WarmProcess(self, answer["pid"], command)
 
     def start(self) -> bool:
