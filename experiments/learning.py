@@ -46,6 +46,7 @@ from p2p_diloco.core.config import COMPRESSIONS, INNER_OPTIMIZERS, DataConfig, I
 from p2p_diloco.core.feedback import FEEDBACK_CODECS, ErrorFeedback
 from p2p_diloco.core.link import codec_round_trip
 from p2p_diloco.core.outer import OuterOptimizer
+from p2p_diloco.core.portable import fp32
 from p2p_diloco.core.schedule import lr_factor as schedule_factor
 from p2p_diloco.train.data import Dataset
 from p2p_diloco.train.inner_optimizer import build_inner_optimizer
@@ -147,6 +148,24 @@ FLOOR_ISLAND_FACTORS = (0.5, 1.0)
 # best, each grid grown at its edge; then both bests at SEEDS[1:]
 FLOOR_LENGTHS = (ISLAND_STEPS[0], 2 * ISLAND_STEPS[0], 2 * STEPS)
 FLOOR_LENGTH_DP_LRS = (2e-3, 4e-3, 8e-3)
+# the peer's overlap (docs/design.md §2): a peer keeps training while its round's average is on the wire and keeps that
+# work when the average lands (local <- global + (local - snapshot)), so the outer step reaches its params some inner
+# steps late; the study's other runs apply it before the next inner step. How late, in the swarm runs' records
+# (steps_during_averaging over the round's inner steps): ~4% of H on one machine's loopback, a median of 14% (90th
+# percentile 41%) in the chaos runs, at most 100% (a peer waits rather than start a second average). The 410x and
+# 1024x points' best AdamW settings with that many inner steps of overlap, (H, codec, outer lr, momentum, multiple of
+# sync DP's best lr, overlaps in inner steps); then the quarter-round overlaps at SEEDS[1:] (OVERLAP_SEEDED: (H, overlap))
+OVERLAP_POINTS = ((32, "int2", 0.8, 0.6, 0.5, (1, 8, 32)), (80, "int2", 0.8, 0.6, 0.5, (20, 80)))
+OVERLAP_SEEDED = ((32, 8),)
+# eager updates (Kale, Douillard, Donchev 2025, arXiv 2502.12996): the steps taken meanwhile start from the outer
+# step's preview with an estimate of the average (the island's own outer gradient for 1/n of it, the last round's
+# average for the rest) instead of from the island's own params; (H, overlap) at seed 0 (at a quarter round it came to
+# +26.2% against the plain overlap's +14.6%: not seeded)
+OVERLAP_EAGER = ((32, 8), (32, 32))
+# the other choice a peer has, waiting for the average instead of training meanwhile: in the wall time of the overlapped
+# run it trains H / (H + overlap) of the tokens (a shorter run, its lr schedule over its own length); (H, overlap) at
+# seed 0, compared with the overlapped run by the loss itself
+OVERLAP_WAITING = ((32, 8), (32, 32))
 FLOOR_LENGTH_FACTORS = (1.0, 2.0)
 # the floor without gradient clipping (--grad-clip-norm 0): an island's gradient on its 2 sequences is clipped to norm
 # 1 on 94-100% of its steps, so each island's step is scaled by its own quarter batch's noise (the probe: "The floor's
@@ -194,6 +213,8 @@ class Run:
     optimizer: str = "adamw"  # the inner optimizer (sync DP's only one): "adamw", or "muon" for the block matrices
     outer_warmup: int = 0  # outer updates over which the outer lr rises linearly (OuterConfig.warmup_steps)
     clip: float = CLIP  # the inner steps' gradient norm clip (InnerConfig.grad_clip_norm; 0: none)
+    overlap: int = 0  # inner steps each island trains while its round's average is on the wire (OVERLAP_POINTS)
+    eager: bool = False  # with overlap: those steps start from the outer step's preview with an estimated average
 
     def __post_init__(self) -> None:
         if self.optimizer not in INNER_OPTIMIZERS:
@@ -210,6 +231,10 @@ class Run:
             raise ValueError(f"clip must be >= 0, got {self.clip}")
         if self.steps % self.inner_steps:
             raise ValueError(f"H = {self.inner_steps} does not divide the {self.steps} inner steps")
+        if not 0 <= self.overlap <= (self.inner_steps if self.method == "diloco" else 0):
+            raise ValueError(f"overlap must be between 0 and H (DiLoCo; 0 for sync DP), got {self.overlap}")
+        if self.eager and not self.overlap:
+            raise ValueError("eager needs an overlap: it changes where the steps taken meanwhile start")
 
     @property
     def key(self) -> str:
@@ -224,6 +249,8 @@ class Run:
         schedule = "" if self.schedule == "fixed" else f" {self.schedule}"
         schedule += " reducer-feedback" if self.reducer_feedback else ""
         size += f" outer-warmup={self.outer_warmup}" if self.outer_warmup else ""
+        size += f" overlap={self.overlap}" if self.overlap else ""
+        size += " eager" if self.eager else ""
         return (f"diloco H={self.inner_steps}{schedule} {self.compression} lr={self.inner_lr:g} "
                 f"outer={self.outer_lr:g}/{self.outer_momentum:g} seed={self.seed}{size}")
 
@@ -377,6 +404,20 @@ class _FloorProbe:
                               for rows, divisor in zip(quarters, self.divisors)])
 
 
+@torch.no_grad()
+def preview(outer: OuterOptimizer, outer_grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The global params ``outer.step(outer_grads)`` would leave, as new tensors, with its arithmetic (core/outer.py);
+    the params, the momentum and the step count stay as they are (phase overlap's eager runs)."""
+    lr = fp32(outer.current_lr)
+    previews = []
+    for param, buffer, grad in zip(outer.params, outer.momentum_buffers, outer_grads, strict=True):
+        update = grad.to(param.device, torch.float32)
+        if outer.momentum:
+            update = buffer.mul(outer._momentum).add_(update).mul_(outer._momentum).add_(update)  # g + mu (mu m + g)
+        previews.append(param.sub(update.mul(lr)))
+    return previews
+
+
 def train(run: Run, shadow_lr: float | None = None) -> dict:
     """One run from the seeded init to the end of its budget; its final held-out loss and the curve on the way. With
     ``shadow_lr`` (a floor run only), the same run with _FloorProbe's measurement beside it, sync DP's step at that lr."""
@@ -410,14 +451,19 @@ def train(run: Run, shadow_lr: float | None = None) -> dict:
         reducer = ErrorFeedback(codec) if run.reducer_feedback else None
         probe = None if shadow_lr is None else _FloorProbe(run, config, shadow_lr, optimizers)
 
-        ends, previous = run.round_ends(), None
-        for round_index, (begin, end) in enumerate(zip([0, *ends], ends)):
-            sent = []
+        ends, previous, last_average = run.round_ends(), None, None
+        trained = [0] * run.peers  # inner steps each island has taken (with overlap, some of the next round's too)
+        for round_index, end in enumerate(ends):
+            sent, snapshots, raw = [], [], []
             for i, (island, (optimizer, schedule), shard) in enumerate(zip(islands, optimizers, shards)):
-                for _ in range(end - begin):
+                for _ in range(end - trained[i]):
                     _step(island, optimizer, schedule, *shard.train.next_batch(), grads=None if probe is None else probe.grads,
                           clip=run.clip)
+                trained[i] = end
+                if run.overlap:
+                    snapshots.append([p.detach().clone() for p in island.parameters()])
                 outer_grad = [g - p.detach() for g, p in zip(global_params, island.parameters())]
+                raw.append(outer_grad)
                 if feedback:
                     values, residual = feedback[i].prepare(outer_grad)
                     feedback[i].commit(residual)
@@ -440,11 +486,29 @@ def train(run: Run, shadow_lr: float | None = None) -> dict:
             if previous is not None:  # how alike consecutive outer gradients are: momentum's gain depends on it
                 cosines.append(float(torch.nn.functional.cosine_similarity(flat, previous, dim=0)))
             previous = flat
+            if run.overlap and round_index + 1 < len(ends):  # the next round's first steps, before the average lands
+                for i, (island, (optimizer, schedule), shard) in enumerate(zip(islands, optimizers, shards)):
+                    if run.eager:  # from where the outer step would go with the island's own outer gradient as 1/n of
+                        # the average and the last round's average (the first round: its own again) for the rest
+                        others = raw[i] if last_average is None else last_average
+                        estimate = [g / run.peers + o * (1 - 1 / run.peers) for g, o in zip(raw[i], others)]
+                        snapshots[i] = preview(outer, estimate)
+                        with torch.no_grad():
+                            for param, value in zip(island.parameters(), snapshots[i]):
+                                param.copy_(value)
+                    for _ in range(min(run.overlap, ends[round_index + 1] - end)):
+                        _step(island, optimizer, schedule, *shard.train.next_batch(), clip=run.clip)
+                        trained[i] += 1
+            last_average = average
             outer.step(average)
-            for island in islands:
+            for i, island in enumerate(islands):
                 with torch.no_grad():
-                    for param, value in zip(island.parameters(), global_params):
-                        param.copy_(value)
+                    if run.overlap:  # as a peer: local <- global + (local - where the steps meanwhile started)
+                        for param, value, start in zip(island.parameters(), global_params, snapshots[i]):
+                            param.copy_(value + (param - start))
+                    else:
+                        for param, value in zip(island.parameters(), global_params):
+                            param.copy_(value)
             if (round_index + 1) % _curve_every(run) == 0:
                 curve.append((end * tokens_per_step, _evaluate(global_model, held_out[:4])))
     final = _evaluate(global_model, held_out)
@@ -479,14 +543,18 @@ def load(out: Path) -> list[dict]:
         result.setdefault("optimizer", "adamw")
         result.setdefault("outer_warmup", 0)
         result.setdefault("clip", CLIP)
+        result.setdefault("overlap", 0)
+        result.setdefault("eager", False)
     return results
 
 
 def _standard(result: dict) -> bool:
-    """A run of the study's own size on the peers' shards with AdamW, its gradients clipped as a peer clips them (the
-    one-island checks, the iid runs, other widths, the Muon runs and the unclipped ones are not)."""
+    """A run of the study's own size on the peers' shards with AdamW, its gradients clipped as a peer clips them, its
+    average applied before the next inner step (the one-island checks, the iid runs, other widths, the Muon runs, the
+    unclipped ones and the overlapped ones are not)."""
     return ((result["peers"], result["batch_size"], result["steps"], result["data"], result.get("d_model", D_MODEL),
-             result.get("optimizer", "adamw"), result.get("clip", CLIP)) == (PEERS, BATCH, STEPS, "shards", D_MODEL, "adamw", CLIP))
+             result.get("optimizer", "adamw"), result.get("clip", CLIP), result.get("overlap", 0))
+            == (PEERS, BATCH, STEPS, "shards", D_MODEL, "adamw", CLIP, 0))
 
 
 def _best(results: list[dict], **match) -> dict | None:
@@ -578,6 +646,17 @@ def plan(phase: str, results: list[dict]) -> list[Run]:
                     optimizer=opt, outer_warmup=w) for opt, h, c, o, m, f, warmups in OUTER_WARMUP_POINTS for w in warmups]
     if phase == "floor":
         return _floor_plan(lr, results)
+    if phase == "overlap":  # per point: its overlaps, the eager ones, then the seeded ones at SEEDS[1:]
+        runs = []
+        for h, c, o, m, f, overlaps in OVERLAP_POINTS:
+            late = [Run("diloco", lr * f, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m,
+                        reducer_feedback=True, overlap=t) for t in overlaps]
+            eager = [replace(run, eager=True) for run in late if (h, run.overlap) in OVERLAP_EAGER]
+            runs += late + eager + [replace(run, seed=s) for run in late if (h, run.overlap) in OVERLAP_SEEDED
+                                    for s in SEEDS[1:]]
+            runs += [replace(run, overlap=0, steps=STEPS * h // (h + run.overlap)) for run in late
+                     if (h, run.overlap) in OVERLAP_WAITING]
+        return runs
     if phase == "outer-grid":
         return [Run("diloco", lr, inner_steps=h, compression=c, outer_lr=o, outer_momentum=m)
                 for h, c in DILOCO_POINTS for o, m in OUTER_GRID]
@@ -830,7 +909,8 @@ def _muon_plan(lr: float, results: list[dict]) -> list[Run]:
 
 
 PHASES = ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune", "codecs", "seeds", "iid", "checks", "schedule",
-          "islands-syncdp", "islands", "sizes", "low-bit", "muon", "outer-warmup", "floor", "floor-length", "floor-clip")
+          "islands-syncdp", "islands", "sizes", "low-bit", "muon", "outer-warmup", "floor", "floor-length", "floor-clip",
+          "overlap")
 
 
 # what each phase builds on: its runs are planned only once these phases have none left to run
@@ -838,7 +918,8 @@ NEEDS = {"tune-syncdp": (), "outer-grid": ("tune-syncdp",), "inner-lr": ("tune-s
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr") for phase in ("codecs", "outer-retune")})
 NEEDS.update({phase: ("tune-syncdp", "outer-grid", "inner-lr", "outer-retune") for phase in PHASES[5:9]})  # seeds ...
 NEEDS.update({"islands-syncdp": (), "islands": (), "sizes": (), "low-bit": ("tune-syncdp",), "muon": ("tune-syncdp",),
-              "outer-warmup": ("tune-syncdp",), "floor": ("tune-syncdp",), "floor-length": (), "floor-clip": ("tune-syncdp",)})  # islands plans nothing until sync DP's grid brackets its best
+              "outer-warmup": ("tune-syncdp",), "floor": ("tune-syncdp",), "floor-length": (), "floor-clip": ("tune-syncdp",),
+              "overlap": ("tune-syncdp",)})  # islands plans nothing until sync DP's grid brackets its best
 
 
 def _remaining(phase: str, results: list[dict]) -> list[Run]:
@@ -1137,6 +1218,7 @@ def report(out: Path) -> str:
                              f"| {_gap(p, 'gap_adamw')} | **{_gap(p, 'gap')}** |")
     lines += _floor_length_table(load(out))
     lines += _floor_clip_table(load(out))
+    lines += _overlap_table(load(out))
     lines += _probe_table(_load_probes(out))
     table = "\n".join(lines) + "\n"
     (out / "study.md").write_text(table)
@@ -1199,6 +1281,43 @@ def _floor_clip_table(results: list[dict]) -> list[str]:
         lines.append(f"| {setting} | {r['inner_lr']:g} ({r['inner_lr'] / clipped['inner_lr']:g}) | {r['seed']} "
                      f"| {r['final_loss']:.4f} | {'–' if same is None else f'{same:.4f}'} | {gap(r['final_loss'], None if r['clip'] else unclipped.get(r['seed']))} "
                      f"| {gap(r['final_loss'], dp[r['seed']])} | **{gap(r['final_loss'], better)}** |")
+    return lines
+
+
+def _overlap_table(results: list[dict]) -> list[str]:
+    """Phase overlap: each overlapped run beside the same run with its average applied before the next inner step,
+    both as gaps to the tuned sync DP at the same seed."""
+    best = _best(results, method="syncdp")
+    runs = [r for r in results if r.get("overlap", 0) and r["method"] == "diloco"]
+    if best is None or not runs:
+        return []
+    dp = {r["seed"]: r["final_loss"] for r in results if _standard(r) and r["method"] == "syncdp" and r["inner_lr"] == best["inner_lr"]}
+    loss = {r["key"]: r["final_loss"] for r in results}
+    lines = ["", "The peer's overlap (phase overlap): the islands keep training while their round's average is on the wire "
+             "and keep that work when it lands, so the outer step reaches them this many inner steps late; eager: those "
+             "steps start from the outer step's preview with an estimated average", "",
+             "| DiLoCo | overlap (inner steps, share of H) | seed | loss | gap | the same run, no overlap: loss, gap |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted((r for r in runs if r["seed"] in dp), key=lambda r: (r["inner_steps"], r["eager"], r["overlap"], r["seed"])):
+        same = loss.get(Run(**{k: r[k] for k in Run.__dataclass_fields__ if k not in ("overlap", "eager")}).key)
+        base = dp[r["seed"]]
+        setting = (f"H = {r['inner_steps']}, {r['compression']}, Nesterov {r['outer_lr']:g} / {r['outer_momentum']:g}, "
+                   f"inner lr {r['inner_lr']:g}" + (", eager" if r["eager"] else ""))
+        lines.append(f"| {setting} | {r['overlap']} ({r['overlap'] / r['inner_steps']:.0%}) | {r['seed']} | {r['final_loss']:.4f} "
+                     f"| **{100 * (r['final_loss'] / base - 1):+.1f}%** "
+                     f"| {'–' if same is None else f'{same:.4f}, {100 * (same / base - 1):+.1f}%'} |")
+    waits = [(r, w) for r in runs if not r["eager"] for w in results if w["method"] == "diloco" and not w.get("overlap")
+             and w["steps"] == STEPS * r["inner_steps"] // (r["inner_steps"] + r["overlap"]) and w["steps"] < STEPS
+             and all(w[k] == r[k] for k in _POINT) and w["seed"] == r["seed"]]
+    if waits:
+        lines += ["", "Waiting for the average instead of training meanwhile, in the same wall time: H / (H + overlap) of "
+                  "the tokens, the lr schedule over that length", "",
+                  "| DiLoCo | overlap it waits out | seed | tokens | loss (waiting) | loss (overlapped, all the tokens) |",
+                  "|---|---|---|---|---|---|"]
+        for r, w in sorted(waits, key=lambda pair: (pair[0]["inner_steps"], pair[0]["overlap"], pair[0]["seed"])):
+            lines.append(f"| H = {r['inner_steps']}, {r['compression']}, Nesterov {r['outer_lr']:g} / {r['outer_momentum']:g} "
+                         f"| {r['overlap']} ({r['overlap'] / r['inner_steps']:.0%}) | {r['seed']} | {w['tokens']:,} "
+                         f"| {w['final_loss']:.4f} | {r['final_loss']:.4f} |")
     return lines
 
 

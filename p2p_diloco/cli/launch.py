@@ -268,9 +268,10 @@ def _print_summary(report: dict, out_dir: Path) -> None:
     for name, peer in sorted(report["peers"].items()):
         healing = f", {peer['forks_healed']} forks healed" if peer["forks_healed"] else ""
         mismatches = f", {peer['arithmetic_mismatches']} outer steps computed otherwise" if peer["arithmetic_mismatches"] else ""
+        lag = "" if peer.get("outer_step_lag") is None else f", outer steps {100 * peer['outer_step_lag']:.0f}% of a round late"
         print(f"  {name}: outer step {peer['final_outer_step']}, {peer['tokens']:,} tokens, "
               f"{peer['tokens_per_s']:.0f} tok/s, blocked {100 * (peer['blocked_fraction'] or 0):.1f}%, "
-              f"{peer['bytes_sent_per_round'] or 0:,} B sent/round, group {peer['mean_group_size']}{healing}{mismatches}")
+              f"{peer['bytes_sent_per_round'] or 0:,} B sent/round, group {peer['mean_group_size']}{lag}{healing}{mismatches}")
     for link in report.get("wan", []):
         cap = f"{link['bandwidth_mbit']} Mbit/s" if link["bandwidth_mbit"] else "uncapped"
         print(f"  peer{link['peer']} link ({cap}, {link['address']}): {link['wire_bytes_sent']:,} B sent, "

@@ -7,6 +7,7 @@ Reads JSON-lines metrics (one record per outer step per peer) and writes ``repor
 from __future__ import annotations
 
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,10 @@ def summarise_peer(records: list[dict]) -> dict[str, Any]:
     last = records[-1] if records else {}
     busy = last.get("compute_s", 0.0) + last.get("blocked_s", 0.0)
     ok_rounds = [r for r in rounds if r.get("status") == "ok"]
+    # how late each outer step reached the local params: the inner steps trained while its average was on the wire,
+    # over the inner steps since the last record (about a round's); what docs/learning.md measures as the overlap
+    lags = [r["steps_during_averaging"] / r["inner_steps"] for r in ok_rounds
+            if r.get("inner_steps") and r.get("steps_during_averaging") is not None]
     return dict(
         peer_id=last.get("peer_id"),
         final_outer_step=last.get("outer_step"),
@@ -101,6 +106,7 @@ def summarise_peer(records: list[dict]) -> dict[str, Any]:
         compute_s=last.get("compute_s", 0.0),
         blocked_s=last.get("blocked_s", 0.0),
         blocked_fraction=round(last.get("blocked_s", 0.0) / busy, 4) if busy else None,
+        outer_step_lag=round(statistics.median(lags), 4) if lags else None,  # median share of a round
         initial_eval_loss=evals[0]["eval_loss"] if evals else None,
         final_eval_loss=evals[-1]["eval_loss"] if evals else None,
         mean_group_size=round(sum(r["group_size"] for r in ok_rounds) / len(ok_rounds), 2) if ok_rounds else None,

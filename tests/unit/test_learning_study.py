@@ -34,6 +34,10 @@ from experiments.learning import (
     MUON_POINTS,
     MUON_SEEDED,
     OUTER_WARMUP_POINTS,
+    OVERLAP_EAGER,
+    OVERLAP_POINTS,
+    OVERLAP_SEEDED,
+    OVERLAP_WAITING,
     SEEDS,
     SIZE_DILOCO,
     SIZE_POINTS,
@@ -48,6 +52,7 @@ from experiments.learning import (
     main,
     next_runs,
     plan,
+    preview,
     probe_runs,
     report,
     run_probes,
@@ -138,6 +143,7 @@ def test_every_h_of_the_study_divides_its_budget_and_bad_runs_are_refused():
 def _result(method, lr, loss, seed=0, h=1, codec="none", outer=(1.0, 0.0), **fields):
     run = Run(method, lr, seed=seed, inner_steps=h, compression=codec, outer_lr=outer[0], outer_momentum=outer[1], **fields)
     return dict(asdict(run), key=run.key, final_loss=loss, seconds=1.0, outer_steps=STEPS // h if method == "diloco" else 0,
+                tokens=run.steps * run.peers * run.batch_size * 128,
                 wire_bytes_per_token=run.wire_bytes_per_token(842_496, 128), fewer_bytes_than_syncdp=run.fewer_bytes_than_syncdp)
 
 
@@ -653,3 +659,80 @@ def test_the_unclipped_floor_tunes_both_grids_then_seeds_its_best_and_carries_to
     assert "| H = 1, fp32, plain averaging, unclipped | 0.008 (2) | 0 | 2.0500 | 2.0300 | +2.0% | +2.5% | **+2.5%** |" in table
     assert "| H = 1, fp32, plain averaging, unclipped | 0.008 (2) | 1 | 2.0200 | – | – | -3.8% | **-3.8%** |" in table
     assert "| H = 1, fp32, plain averaging, islands clipped at 2 | 0.004 (1) | 0 | 2.0400 | – | – | +2.0% | **+2.0%** |" in table
+
+
+def test_an_island_that_trains_while_its_average_is_on_the_wire_keeps_that_work_as_a_peer_does():
+    # one island, outer lr 1, no momentum, no codec: the outer step sets global to the snapshot, and local <- global +
+    # (local - snapshot) gives the island back the steps it took meanwhile; so it is still plain AdamW on the same
+    # batches, whatever the overlap. Dropping those steps, or training them twice, would not be
+    dp = train(tiny("syncdp"))
+    for overlap, eager in ((3, False), (2, True)):
+        run = train(tiny("diloco", inner_steps=3, overlap=overlap, eager=eager))
+        assert run["final_loss"] == pytest.approx(dp["final_loss"], abs=1e-4) and run["tokens"] == dp["tokens"]
+        assert run["key"].endswith(f" overlap={overlap}" + " eager" * eager)
+    # with two islands the late outer step changes the run, at the same tokens; an overlapped run is not on the curve
+    nesterov = dict(inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
+    now, late = (train(tiny("diloco", peers=2, overlap=t, **nesterov)) for t in (0, 2))
+    assert now["final_loss"] != late["final_loss"] and now["tokens"] == late["tokens"]
+    assert not _standard(_result("diloco", 2e-3, 1.0, h=32, codec="int2", overlap=8))
+    # one island with momentum: its own outer gradient is the average, so the eager steps start where the outer step
+    # lands and the run is the one with no overlap (to the rounding); the plain overlap's is not
+    alone = [train(tiny("diloco", overlap=t, eager=e, **nesterov))["final_loss"] for t, e in ((0, False), (2, True), (2, False))]
+    assert alone[1] == pytest.approx(alone[0], abs=1e-4) and abs(alone[2] - alone[0]) > 1e-3
+    for bad in (dict(inner_steps=3, overlap=4), dict(inner_steps=3, overlap=-1), dict(inner_steps=3, eager=True)):
+        with pytest.raises(ValueError, match="overlap"):
+            Run("diloco", 1e-3, steps=6, **bad)
+    with pytest.raises(ValueError, match="overlap"):
+        Run("syncdp", 1e-3, overlap=1)
+
+
+def test_the_overlap_phase_runs_the_targets_points_late_then_a_quarter_round_at_more_seeds_and_reports_them(tmp_path):
+    assert plan("overlap", []) == []  # it builds on sync DP's best lr
+    done = [_result("syncdp", lr, 2.0 + abs(lr - 4e-3)) for lr in (2e-3, 4e-3, 8e-3)] + [_result("syncdp", 4e-3, 2.1, seed=1)]
+    runs = plan("overlap", done)
+    seed_0 = [(r.inner_steps, r.compression, r.outer_lr, r.outer_momentum, r.inner_lr, r.overlap) for r in runs
+              if not r.seed and not r.eager and r.overlap]
+    # waiting instead, in the overlapped run's wall time: H / (H + overlap) of the steps, every round whole
+    assert [(r.inner_steps, r.steps, r.seed) for r in runs if not r.overlap] == [
+        (h, STEPS * h // (h + t), 0) for h, t in OVERLAP_WAITING]
+    assert all(r.steps % r.inner_steps == 0 for r in runs)
+    assert seed_0 == [(h, c, o, m, 4e-3 * f, t) for h, c, o, m, f, overlaps in OVERLAP_POINTS for t in overlaps]
+    assert {(r.inner_steps, r.overlap) for r in runs if r.eager and not r.seed} == set(OVERLAP_EAGER)
+    assert sorted((r.inner_steps, r.overlap, r.eager, r.seed) for r in runs if r.seed) == sorted(
+        (h, t, False, s) for h, t in OVERLAP_SEEDED for s in SEEDS[1:])
+    assert all(r.reducer_feedback and 0 <= r.overlap <= r.inner_steps for r in runs) and len(set(runs)) == len(runs)
+    done += [_result("diloco", 2e-3, 2.2, h=32, codec="int2", outer=(0.8, 0.6), reducer_feedback=True, overlap=8),
+             _result("diloco", 2e-3, 2.31, h=32, codec="int2", outer=(0.8, 0.6), reducer_feedback=True, overlap=8, seed=1),
+             _result("diloco", 2e-3, 2.15, h=32, codec="int2", outer=(0.8, 0.6), reducer_feedback=True)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in done))
+    table = report(tmp_path)
+    assert "| H = 32, int2, Nesterov 0.8 / 0.6, inner lr 0.002 | 8 (25%) | 0 | 2.2000 | **+10.0%** | 2.1500, +7.5% |" in table
+    assert "| H = 32, int2, Nesterov 0.8 / 0.6, inner lr 0.002 | 8 (25%) | 1 | 2.3100 | **+10.0%** | – |" in table
+    done.append(_result("diloco", 2e-3, 2.16, h=32, codec="int2", outer=(0.8, 0.6), reducer_feedback=True, overlap=8, eager=True))
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in done))
+    assert ("| H = 32, int2, Nesterov 0.8 / 0.6, inner lr 0.002, eager | 8 (25%) | 0 | 2.1600 | **+8.0%** | 2.1500, +7.5% |"
+            in report(tmp_path))
+    done.append(_result("diloco", 2e-3, 2.3, h=32, codec="int2", outer=(0.8, 0.6), reducer_feedback=True, steps=3840))
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in done))
+    table = report(tmp_path)
+    assert "| H = 32, int2, Nesterov 0.8 / 0.6 | 8 (25%) | 0 | 3,932,160 | 2.3000 | 2.2000 |" in table
+    assert "| 8 (25%) | 1 |" not in table.split("Waiting for the average")[1]  # seed 1 waited nowhere
+    # the overlapped runs stay out of the curve's points: only the run without overlap is one
+    assert [(p["inner_steps"], p["seeds"]) for p in summarize(load(tmp_path))["points"]] == [(32, 1)]
+
+
+@pytest.mark.parametrize(("lr", "momentum", "warmup"), [(0.7, 0.9, 0), (1.0, 0.0, 0), (0.8, 0.6, 3)])
+def test_the_eager_runs_preview_of_the_outer_step_is_that_step_to_the_byte_and_changes_nothing(lr, momentum, warmup):
+    from p2p_diloco.core.config import OuterConfig
+    from p2p_diloco.core.outer import OuterOptimizer, params_sha256
+
+    generator = torch.Generator().manual_seed(1)
+    params = [torch.randn(shape, generator=generator) for shape in ((7, 5), (13,))]
+    outer = OuterOptimizer(params, OuterConfig(lr=lr, momentum=momentum, warmup_steps=warmup))
+    for _ in range(3):  # a momentum and a warm-up under way
+        before = params_sha256([*params, *outer.state_tensors()]), outer.steps_taken
+        grads = [torch.randn(p.shape, generator=generator) for p in params]
+        ahead = preview(outer, grads)
+        assert (params_sha256([*params, *outer.state_tensors()]), outer.steps_taken) == before
+        outer.step(grads)
+        assert params_sha256(ahead) == params_sha256(params)

@@ -95,3 +95,15 @@ def test_build_report_reads_metrics_files_with_a_torn_last_line(tmp_path):
     report = build_report(paths)
     assert report["invariant_1"]["held"] is False
     assert report["invariant_1"]["forks"] == {"1": sorted([H1, H1_FORK])}
+
+
+def test_a_peer_s_summary_says_how_late_its_outer_steps_landed_as_the_median_share_of_a_round(tmp_path):
+    def ok(step: int, during: int, steps: int) -> dict:
+        return dict(_record(step, H1), steps_during_averaging=during, inner_steps=steps)
+
+    path = tmp_path / "a.jsonl"
+    records = [_record(0, H0, "init"), ok(1, 2, 50), ok(2, 25, 50), dict(ok(3, 50, 50), status="stale"), ok(4, 5, 50)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    assert build_report({"a": path})["peers"]["a"]["outer_step_lag"] == 0.1  # 4%, 50%, 10%; the failed round not
+    path.write_text(json.dumps(_record(1, H1)) + "\n", encoding="utf-8")  # records written before the field
+    assert build_report({"a": path})["peers"]["a"]["outer_step_lag"] is None
