@@ -156,7 +156,7 @@ FLOOR_LENGTH_DP_LRS = (2e-3, 4e-3, 8e-3)
 # 1024x points' best AdamW settings with that many inner steps of overlap, (H, codec, outer lr, momentum, multiple of
 # sync DP's best lr, overlaps in inner steps); then the quarter-round overlaps at SEEDS[1:] (OVERLAP_SEEDED: (H, overlap))
 OVERLAP_POINTS = ((32, "int2", 0.8, 0.6, 0.5, (1, 8, 32)), (80, "int2", 0.8, 0.6, 0.5, (20, 80)))
-OVERLAP_SEEDED = ((32, 8),)
+OVERLAP_SEEDED = ((32, 8), (80, 20))
 # eager updates (Kale, Douillard, Donchev 2025, arXiv 2502.12996): the steps taken meanwhile start from the outer
 # step's preview with an estimate of the average (the island's own outer gradient for 1/n of it, the last round's
 # average for the rest) instead of from the island's own params; (H, overlap) at seed 0 (at a quarter round it came to
