@@ -46,7 +46,6 @@ from experiments.learning import (
     STEPS,
     Run,
     _standard,
-    curves,
     load,
     lr_factor,
     main,
@@ -54,12 +53,11 @@ from experiments.learning import (
     plan,
     preview,
     probe_runs,
-    report,
     run_probes,
     run_study,
-    summarize,
     train,
 )
+from experiments.learning_report import curves, report, summarize
 from p2p_diloco.core.compression import make_codec
 
 
