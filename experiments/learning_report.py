@@ -1,33 +1,27 @@
 """The learning study's report: the gaps to tuned sync DP per setting (``summarize``), the tables of ``study.md``
 (``report``) and the picture ``study.png`` (``_plot``), read from ``results.jsonl`` and ``floor_probe.jsonl`` alone.
-The runs, their plan and their arithmetic live in experiments/learning.py; this module trains nothing."""
+The runs and their arithmetic live in experiments/learning_runs.py, their grids and plan in learning_grids.py,
+learning_plan.py and learning_floor.py; this module trains nothing."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from experiments.learning import (
-    BATCH,
-    CLIP,
-    D_MODEL,
+from experiments.learning import _load_probes, load
+from experiments.learning_floor import _floor_clip, _floor_length
+from experiments.learning_grids import (
     FLOOR_LENGTHS,
     ISLAND_BATCH,
     LOW_BIT_POINTS,
-    PEERS,
     PLOT_GAP_LIMIT,
     SIZE_DILOCO,
-    STEPS,
-    Run,
     _best,
-    _floor_clip,
-    _floor_length,
-    _load_probes,
     _muon_dp,
     _muon_runs,
     _same_outer,
     _standard,
-    load,
 )
+from experiments.learning_runs import BATCH, CLIP, D_MODEL, PEERS, STEPS, Run
 from p2p_diloco.core.config import ModelConfig
 from p2p_diloco.train.model import build_model
 

@@ -1,5 +1,5 @@
-"""The learning study (experiments/learning.py): the shared lr schedule, its two methods' arithmetic, the byte
-accounting, the phases' plan, resuming, the report, bad input."""
+"""The learning study (experiments/learning.py and its learning_* modules): the shared lr schedule, its two methods'
+arithmetic, the byte accounting, the phases' plan, resuming, the report, bad input."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from experiments.learning import (
-    CLIP,
+from experiments.learning import load, main, run_probes, run_study
+from experiments.learning_floor import probe_runs
+from experiments.learning_grids import (
     FLOOR_CARRIED,
     FLOOR_CLIP_CARRIED,
     FLOOR_CLIP_DP_FACTORS,
@@ -43,21 +44,11 @@ from experiments.learning import (
     SIZE_POINTS,
     SIZE_SEEDS,
     SPARSE_H,
-    STEPS,
-    Run,
     _standard,
-    load,
-    lr_factor,
-    main,
-    next_runs,
-    plan,
-    preview,
-    probe_runs,
-    run_probes,
-    run_study,
-    train,
 )
+from experiments.learning_plan import next_runs, plan
 from experiments.learning_report import curves, report, summarize
+from experiments.learning_runs import CLIP, STEPS, Run, lr_factor, preview, train
 from p2p_diloco.core.compression import make_codec
 
 
@@ -444,7 +435,7 @@ def test_the_floor_probe_leaves_the_run_as_it_was_and_finds_the_mean_of_adamw_st
     # and each island divides by a larger sqrt(v) than sync DP does on the mean gradient
     assert all(q["length"] < 0.95 and q["cosine"] < 0.995 and q["across"] > 0.05 and q["divisor"] > 1.0 for q in quarters)
     # the control: an optimizer linear in the gradient (SGD, no clipping) makes the mean of the islands' steps sync DP's
-    monkeypatch.setattr("experiments.learning.build_inner_optimizer",
+    monkeypatch.setattr("experiments.learning_runs.build_inner_optimizer",
                         lambda kind, model, lr, wd: torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd))
     linear = train(replace(run, clip=0.0), shadow_lr=run.inner_lr)["floor_probe"]["quarters"]
     assert all(q["length"] == pytest.approx(1.0, abs=1e-3) and q["cosine"] > 0.9999 and q["across"] < 0.01
