@@ -14,16 +14,18 @@ import pytest
 from experiments.overhead import (
     _check_peer_flags,
     _parser,
-    bare_figures,
     bare_flags,
+    split_argv,
+    swarm_flags,
+)
+from experiments.overhead_figures import (
+    bare_figures,
     bare_sum,
     bracket,
     concurrency,
     markdown_table,
-    split_argv,
     summarise,
     swarm_figures,
-    swarm_flags,
     together_window,
 )
 from p2p_diloco.swarm.processes import cpu_seconds
