@@ -47,7 +47,8 @@ from experiments.learning_grids import (
     _standard,
 )
 from experiments.learning_plan import next_runs, plan
-from experiments.learning_report import curves, report, summarize
+from experiments.learning_plot import curves
+from experiments.learning_report import report, summarize
 from experiments.learning_runs import CLIP, STEPS, Run, lr_factor, preview, train
 from p2p_diloco.core.compression import make_codec
 
