@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from experiments.overhead import (
+    WORKER_ENTRY,
     _check_peer_flags,
     _parser,
     bare_flags,
@@ -238,3 +239,36 @@ def test_cpu_seconds_of_a_process_grow_as_it_works():
     # with its descendants (whatever this test run started): no less than the process alone
     assert cpu_seconds(alone) >= cpu_seconds(alone, with_descendants=False) - 0.05
     assert cpu_seconds([2**22 + 12345]) == 0.0  # no such process: nothing, not an error
+
+
+def test_the_bare_worker_writes_the_record_the_figures_read(tmp_path: Path):
+    """The module the bare phase starts (WORKER_ENTRY) trains its timed steps once the go file is there, and its record
+    holds what bare_figures reads: a worker that moved or changed its record would fail here, not in a 12-minute run."""
+    import importlib
+    import json
+
+    import torch
+
+    worker = importlib.import_module(WORKER_ENTRY[-1])
+    go, metrics = tmp_path / "go", tmp_path / "bare0.jsonl"
+    go.write_text(f"{time.time():.3f}\n")
+    threads = torch.get_num_threads()
+    try:
+        code = worker.worker_main(["--steps", "3", "--warmup-steps", "1", "--go-file", str(go), "--metrics-file",
+                                   str(metrics), "--batch-size", "2", "--seq-len", "32", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)  # the worker sets its process's threads, as a peer does
+    assert code == 0
+    [record] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert (record["status"], record["steps"], record["warmup_steps"], record["tokens"]) == ("bare", 3, 1, 3 * 2 * 32)
+    assert len(record["step_end_s"]) == len(record["step_cpu_s"]) == 3
+    figures = bare_figures(record)
+    assert figures["tokens"] == 3 * 2 * 32 and figures["tokens_per_s"] > 0 and 0 < figures["cpu_share"] <= 1.05
+
+
+def test_the_bare_worker_refuses_bad_steps_in_one_line(tmp_path: Path, capsys):
+    from experiments.overhead_worker import worker_main
+
+    assert worker_main(["--steps", "0", "--go-file", str(tmp_path / "go")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--steps must be >= 1" in err
