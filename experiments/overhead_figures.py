@@ -92,10 +92,13 @@ def swarm_figures(records: list[dict]) -> dict[str, Any]:
     wall = last["time_s"]
     compute, blocked, evaluating = (last[key] - base[key] for key in ("compute_s", "blocked_s", "eval_s"))
     cpu = last.get("compute_cpu_s", 0.0) - base["compute_cpu_s"]  # 0 from a peer that predates the field
-    # the peer's DHT, averager and p2pd processes: their CPU over the same window, per minute
-    # (from the init record's moment to the last one's: the init record's wait for peers is in the window too)
-    background = [None if r is None else r.get("background_cpu_s") for r in (init, last)]
-    window = last["unix_time"] - init["unix_time"] if init is not None else 0.0
+    # the peer's DHT, averager and p2pd processes: their CPU per minute from its first round's record to its last one's
+    # (rounds 2 on: the first peer writes its init record before its averager's process has finished starting, ~1 CPU
+    # s that falls before the training's clock but after that record; docs/benchmarks.md, "What is left"); with one
+    # round, from the init record on
+    since = trained[0] if len(trained) > 1 and trained[0].get("background_cpu_s") is not None else init
+    background = [None if r is None else r.get("background_cpu_s") for r in (since, last)]
+    window = last["unix_time"] - since["unix_time"] if since is not None else 0.0
     return dict(
         outer_steps=last["outer_step"],
         rounds_ok=sum(r.get("status") == "ok" for r in trained),

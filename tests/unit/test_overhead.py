@@ -52,10 +52,10 @@ def _peer_records(tokens: int, wall: float, compute: float, blocked: float, eval
                 compute_s=0.0, compute_cpu_s=0.0, blocked_s=0.0, eval_s=init_eval, background_cpu_s=3.0)
     middle = dict(status="ok", outer_step=1, time_s=wall / 2, unix_time=start + wall / 2, tokens=tokens // 2,
                   inner_steps=150, compute_s=compute / 2, compute_cpu_s=cpu / 2, blocked_s=blocked / 2,
-                  eval_s=init_eval + eval_s / 2)
+                  eval_s=init_eval + eval_s / 2, background_cpu_s=3.0 + 1.0 + (wall / 2 + 2.0) / 30)
     last = dict(status="ok", outer_step=2, time_s=wall, unix_time=start + wall, tokens=tokens, inner_steps=160,
                 compute_s=compute, compute_cpu_s=cpu, blocked_s=blocked, eval_s=init_eval + eval_s,
-                background_cpu_s=3.0 + (wall + 2.0) / 30)  # 2 s per minute since the init record
+                background_cpu_s=3.0 + 1.0 + (wall + 2.0) / 30)  # 2 s per minute, and 1 s once in the first round
     return [init, middle, last]
 
 
@@ -92,7 +92,10 @@ def test_swarm_rate_and_fractions_leave_the_init_evaluation_out():
     assert f["other_fraction"] == pytest.approx(0.05)
     assert f["steps"] == 310 and f["outer_steps"] == 2 and f["rounds_ok"] == 2
     assert f["unix_start"] == pytest.approx(1000.0) and f["unix_end"] == pytest.approx(1080.0)
-    assert f["background_cpu_s_per_min"] == pytest.approx(2.0)  # over the window from the init record on
+    # from the first round's record on: the 1 s of a start-up in the first round (the averager's) left out
+    assert f["background_cpu_s_per_min"] == pytest.approx(2.0)
+    one_round = _peer_records(tokens=640_000, wall=80.0, compute=64.0, blocked=8.0, eval_s=4.0)[::2]
+    assert swarm_figures(one_round)["background_cpu_s_per_min"] == pytest.approx((1.0 + 82.0 / 30) / 82.0 * 60)
     with pytest.raises(ValueError):
         swarm_figures(_peer_records(1, 1.0, 1.0, 0.0, 0.0)[:1])  # the init record alone: nothing trained
 
