@@ -11,9 +11,9 @@ experiments/learning_grids.py).
 
 Each finished run is appended to ``results.jsonl`` under ``--out`` at once; ``run`` skips the runs already there,
 so the study resumes where it stopped (and can grow across sessions). ``probe`` runs some of phase floor's runs again
-with sync DP's step measured beside each of theirs (_FloorProbe), into ``floor_probe.jsonl``. ``report`` writes
-``study.md`` (the tables) and ``study.png`` (the gap against bytes per token, seeds as a band) from those files alone
-(experiments/learning_report.py).
+with sync DP's step measured beside each of theirs (``_FloorProbe``, experiments/learning_runs.py), into
+``floor_probe.jsonl``. ``report`` writes ``study.md`` (the tables) and ``study.png`` (the gap against bytes per token,
+seeds as a band) from those files alone (experiments/learning_report.py, learning_plot.py).
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ def run_study(out: Path, phases: list[str], jobs: int) -> None:
 
 
 def run_probes(out: Path, jobs: int) -> None:
-    """The floor's probe (_FloorProbe) on probe_runs not yet in floor_probe.jsonl, ``jobs`` at once, each appended with
-    the final loss results.jsonl holds for the same run (the probe leaves the run as it was: the two should agree)."""
+    """The floor's probe (learning_runs._FloorProbe) on probe_runs not yet in floor_probe.jsonl, ``jobs`` at once, each
+    appended with the final loss results.jsonl holds for the same run (the probe leaves the run as it was: the two should
+    agree)."""
     results, path = load(out), out / "floor_probe.jsonl"
     done = {r["key"] for r in _load_probes(out)}
     stored = {r["key"]: r["final_loss"] for r in results}
