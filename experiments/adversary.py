@@ -49,7 +49,7 @@ from p2p_diloco.swarm.swarm_link import SwarmLink
 
 GRADIENT_SCALE = 1e4
 WEIGHT_SCALE = 1e6
-DONOR_PRIORITY_BONUS = 1000.0  # ahead of any honest donor (whose priority is its outer step)
+DONOR_PRIORITY_BONUS = 1000.0  # ahead of any honest donor whose records say the same (an honest one declares 0)
 LEAD = 5  # outer steps an ``ahead`` peer claims past its real one
 UNDER_SCALE = 90.0  # under RobustPolicy.max_norm_ratio (100)
 PUBLISHED_SCALE, DECLARED_SCALE = 7.0, 9.5  # under weight_margin (1.5) x published, and max_weight_ratio (10) x median
@@ -123,6 +123,8 @@ class GarbageReducerLink(SwarmLink):
 class WrongDonorLink(SwarmLink):
     """Serves perturbed params under the honest metadata, and claims the highest donor priority."""
 
+    declared_priority = DONOR_PRIORITY_BONUS
+
     def __init__(
         self,
         config: SwarmConfig,
@@ -136,11 +138,6 @@ class WrongDonorLink(SwarmLink):
 
         super().__init__(config, template, poisoned, fragments)
 
-    def refresh_donor_priority(self, outer_step: int, global_sha256: str) -> None:
-        super().refresh_donor_priority(outer_step, global_sha256)
-        assert self._averager is not None
-        self._averager.state_sharing_priority = self._averager.state_sharing_priority + DONOR_PRIORITY_BONUS
-
 
 class AheadClaimLink(SwarmLink):
     """Claims to be ``LEAD`` outer steps ahead of where it is, with a state that hashes to the claim (see the module
@@ -148,6 +145,7 @@ class AheadClaimLink(SwarmLink):
     colluders at the same real head claim the same one and vouch for each other."""
 
     colluding = False
+    declared_priority = DONOR_PRIORITY_BONUS
 
     def __init__(self, config: SwarmConfig, template: Sequence[torch.Tensor],
                  state_provider: Callable[[], tuple[dict, Sequence[torch.Tensor]]], fragments: int = 1):
@@ -186,11 +184,6 @@ class AheadClaimLink(SwarmLink):
             return self._real_state()
         claim, tensors = self._claim
         return dict(claim, recent=[]), [t.clone() for t in tensors]
-
-    def refresh_donor_priority(self, outer_step: int, global_sha256: str) -> None:
-        super().refresh_donor_priority(outer_step, global_sha256)
-        assert self._averager is not None
-        self._averager.state_sharing_priority = self._averager.state_sharing_priority + DONOR_PRIORITY_BONUS
 
 
 class ScaledUnderLink(SwarmLink):

@@ -264,6 +264,17 @@ def reported_sha256(records: Mapping[str, Mapping], outer_step: int) -> dict[str
     return {peer: str(r.get("global_sha256")) for peer, r in records.items() if r.get("outer_step") == outer_step}
 
 
+def donor_ranks(records: Mapping[str, Mapping], target: Target) -> dict[str, tuple[int, int]]:
+    """The order in which to ask peers for ``target``'s state, by peer id, highest first: those whose head is the
+    target, then the furthest heads (a donor serves its head). Peers without a well-formed head are left out."""
+    ranks = {}
+    for peer, record in records.items():
+        chain = chain_of(record)
+        if chain:
+            ranks[peer] = (int(chain[-1] == target.node), chain[-1][0])
+    return ranks
+
+
 def made_sha256(records: Mapping[str, Mapping], outer_step: int) -> dict[str, str]:
     """The state sha256 each peer says it computed itself for ``outer_step``, averaging in its group, by peer id:
     a record's ``made`` lists the last ``MADE`` steps its peer averaged and the bytes they came out as, which a

@@ -39,7 +39,7 @@ import random
 import signal
 import time
 import typing
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -347,25 +347,30 @@ class DilocoAverager(DecentralizedAverager):
             yield message
 
     def load_state_excluding(
-        self, timeout: float, exclude: Sequence[str] = ()
+        self, timeout: float, exclude: Sequence[str] = (), prefer: Mapping[str, tuple[int, ...]] | None = None
     ) -> tuple[Any, Sequence[torch.Tensor], str] | None:
         """hivemind's ``load_state_from_peers``, skipping donors in ``exclude`` (base58 peer ids): a donor whose
-        state failed verification is not asked again, the next one in priority order is. Returns
+        state failed verification is not asked again, the next one in order is. Donors are asked in the order of
+        ``prefer`` (base58 peer id -> rank, highest first: what the caller's progress records say each holds), then
+        of their declared priority; a declared donor missing from ``prefer`` comes after those in it. Returns
         ``(metadata, tensors, donor's peer id)`` or None."""
         future = MPFuture()
-        self._outer_pipe.send(("_load_state_excluding", [], dict(future=future, exclude=tuple(exclude))))
+        self._outer_pipe.send(("_load_state_excluding", [], dict(future=future, exclude=tuple(exclude),
+                                                                 prefer=dict(prefer or {}))))
         return future.result(timeout=timeout)
 
-    async def _load_state_excluding(self, future: MPFuture, exclude: tuple[str, ...]) -> None:
-        # as DecentralizedAverager._load_state_from_peers in hivemind 1.1.12, plus the ``exclude`` filter
+    async def _load_state_excluding(self, future: MPFuture, exclude: tuple[str, ...],
+                                    prefer: dict[str, tuple[int, ...]]) -> None:
+        # as DecentralizedAverager._load_state_from_peers in hivemind 1.1.12, plus the ``exclude`` filter and the
+        # caller's order (``prefer``)
         hold_tasks(asyncio.get_running_loop())
         try:
             key_manager = self._matchmaking.group_key_manager
             found, _ = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True) or ({}, None)
             priority = {
-                PeerID(peer_id): (float(info.value), random.random())  # randomness breaks ties
-                for peer_id, info in (found.items() if isinstance(found, dict) else [])
-                if isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)
+                # unranked donors after ranked ones; the declared priority next; randomness breaks ties
+                peer: (peer.to_base58() in prefer, prefer.get(peer.to_base58(), ()), float(info.value), random.random())
+                for peer, info in _declared(found)
             }
             for peer in sorted(priority, key=priority.get, reverse=True):
                 if peer == self.peer_id or peer.to_base58() in exclude:
@@ -395,6 +400,21 @@ class DilocoAverager(DecentralizedAverager):
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
+
+
+def _declared(found: Any) -> list[tuple[PeerID, ValueWithExpiration]]:
+    """The state donors an ``all_averagers`` read found, each with its declaration (well-formed ones only)."""
+    if not isinstance(found, dict):
+        return []
+    declared = []
+    for subkey, info in found.items():
+        if not (isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)):
+            continue
+        try:
+            declared.append((PeerID(subkey), info))
+        except Exception:  # a subkey that is no peer id
+            continue
+    return declared
 
 
 def whole_tensor(parts: list[Any]) -> torch.Tensor:

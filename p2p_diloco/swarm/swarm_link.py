@@ -45,12 +45,14 @@ from p2p_diloco.swarm.round import run_averaging
 from p2p_diloco.swarm.wire import WireCodec, part_norms_of, part_values_for
 
 logger = logging.getLogger(__name__)
+DONOR_DECLARE_S = 60.0  # how long a state donor's declaration lives; it is renewed as it expires
 
 
 class SwarmLink:
     """The learner's connection to the swarm; see the module docstring."""
 
     runner_class: type[GuardedAllReduceRunner] = GuardedAllReduceRunner  # experiments/adversary.py swaps in its own
+    declared_priority = 0.0  # a donor's word on how early to ask it, after what its records say it holds (adversaries')
 
     def __init__(
         self,
@@ -108,8 +110,9 @@ class SwarmLink:
                 allreduce_timeout=config.averaging_timeout_s,
                 client_mode=client,  # reduces no part; hivemind leaves its share to the others
                 allow_state_sharing=not client,
-                # a new outer step re-declares at once (refresh_donor_priority); this only keeps the declaration alive
-                declare_state_period=config.idle_period_s * 2,
+                # a donor's declaration only says it serves states; which state it holds, its progress records say
+                # (download_state): declared once a minute, not at every outer step (docs/design.md §4, "Catch-up")
+                declare_state_period=DONOR_DECLARE_S,
                 shutdown_timeout=5,
             )
             self._beacon = ProgressBeacon(
@@ -124,6 +127,8 @@ class SwarmLink:
                 nice=config.background_nice,
             )
             lower_priority(config.background_nice, [p.pid for p in (self.dht, self._averager) if p.pid is not None])
+            if self.declared_priority and not client:
+                self._averager.state_sharing_priority = self.declared_priority
             if client:
                 self._beacon.update(client=True)  # others know this peer can't reduce: see average()
         except BaseException:
@@ -144,15 +149,6 @@ class SwarmLink:
         self._beacon.set(**fields)
         if "outer_step" in fields:
             self._beacon.publish_now()
-            self.refresh_donor_priority(int(fields["outer_step"]), str(fields.get("global_sha256", "")))
-
-    def refresh_donor_priority(self, outer_step: int, global_sha256: str) -> None:
-        """Donors are tried highest priority first: the furthest outer step. (A priority is anyone's word: a
-        downloader checks the state it gets against the one it chose, and asks the next donor if it differs.)"""
-        assert self._averager is not None
-        if self.reachability.mode == "client":
-            return  # a client serves no state
-        self._averager.state_sharing_priority = float(outer_step)
 
     def reported_sha256(self, outer_step: int) -> dict[str, str]:
         """The state sha256 each live peer reports for ``outer_step``, by peer id."""
@@ -396,7 +392,10 @@ class SwarmLink:
         while time.monotonic() < deadline:
             remaining = deadline - time.monotonic()
             try:
-                loaded = self._averager.load_state_excluding(timeout=remaining, exclude=sorted(refused))
+                # who holds the target first, as their records say; the records are anyone's word, the bytes
+                # are checked below
+                loaded = self._averager.load_state_excluding(timeout=remaining, exclude=sorted(refused),
+                                                             prefer=history.donor_ranks(self.live_peers(), target))
             except CALL_FAILED as e:
                 logger.warning("state download failed: %s", first_line(e))
                 loaded = None

@@ -255,6 +255,10 @@ def test_state_download_skips_refused_donors_and_names_the_donor():
             deadline.wait(1.0)
         metadata, tensors, donor = loaded
         assert (metadata, donor) == ({"who": 1}, ids[1]) and torch.equal(tensors[0], torch.full((4,), 1.0))
+        # the caller's ranks (what the records say each holds) come before the declared priorities, and a declared
+        # donor the caller did not rank comes after the ranked ones
+        assert averagers[0].load_state_excluding(timeout=10, prefer={ids[2]: (1, 5), ids[1]: (0, 9)})[2] == ids[2]
+        assert averagers[0].load_state_excluding(timeout=10, prefer={ids[2]: (0, 0)})[2] == ids[2]
         # the loop above may have downloaded from the second donor while the first's declaration was on its way
         served_before, bytes_before = averagers[2].traffic.served()
         metadata, tensors, donor = averagers[0].load_state_excluding(timeout=10, exclude=[ids[1]])

@@ -12,6 +12,7 @@ from p2p_diloco.core.history import (
     Target,
     chain_of,
     choose_target,
+    donor_ranks,
     made_sha256,
     moved_past,
     unbacked_claims,
@@ -310,3 +311,15 @@ def test_made_says_what_each_peer_computed_for_a_step_and_ignores_what_is_malfor
     # only the last MADE entries count: a record cannot list the whole run to seem to have made every step
     long = {"p": {"made": [[step, a] for step in range(3 * MADE)]}}
     assert made_sha256(long, 0) == {} and made_sha256(long, 2 * MADE) == {"p": a} and made_sha256(long, 2 * MADE - 1) == {}
+
+
+def test_donors_holding_the_target_are_asked_first_then_the_furthest_heads():
+    target = Target(5, sha("a5"), "majority")
+    records = view({"holder": history("a", 5), "ahead": history("a", 7), "forked": history("b", 5), "behind": history("a", 3)})
+    records["garbled"] = dict(outer_step="5", global_sha256=sha("a5"))
+    ranks = donor_ranks(records, target)
+    assert "garbled" not in ranks  # no well-formed head: left to the declared order, after every ranked donor
+    assert sorted(ranks, key=ranks.get, reverse=True) == ["holder", "ahead", "forked", "behind"]
+    # a liar that claims a further head on other bytes ranks below every holder of the target
+    liar = view({"liar": history("x", 40)})
+    assert donor_ranks({**records, **liar}, target)["liar"] < ranks["holder"]
