@@ -164,7 +164,9 @@ class ProgressBeacon:
     ):
         self._dht, self._key, self._period_s, self._ttl_s = dht, key, period_s, ttl_s
         self._nice = nice  # lowers this beacon's thread (swarm/processes.py)
-        self._push, self._published = push, 0
+        self._push = push
+        # records published since the last that went the DHT's way (the first goes that way), and when that was
+        self._since_dht_store = DHT_EVERY
         self._last_dht_store = -math.inf  # monotonic
         self._read_peers, self._pace = read_peers, pace
         self.peers: dict[str, dict] = {}  # the other peers' records as of the last period (read by the learner)
@@ -210,20 +212,23 @@ class ProgressBeacon:
             logger.debug("reading progress failed: %r", e)
 
     def publish_now(self, dht_store: bool = False) -> Future | None:
-        """Publish this peer's record now: pushed, or stored in the DHT (``dht_store``, no ``push``, every
-        ``DHT_EVERY``-th time, and often enough that the key's nearest nodes always hold an unexpired copy).
-        The future says how many peers took it (push) or whether the store went."""
+        """Publish this peer's record now: pushed, or stored in the DHT (``dht_store``, no ``push``, at the latest
+        the ``DHT_EVERY``-th record after the last stored, and often enough that the key's nearest nodes always hold
+        an unexpired copy). The future says how many peers took it (push) or whether the store went."""
         record = self.own_record()
         if not record:
             return None
-        self._published += 1
-        due = (self._published - 1) % DHT_EVERY == 0 or time.monotonic() - self._last_dht_store >= 0.75 * self._ttl_s
+        # both bounds count from the last store: counted from the start, the two fell apart and stored twice as often
+        # as either asks (docs/benchmarks.md, "Fewer DHT requests")
+        due = self._since_dht_store >= DHT_EVERY or time.monotonic() - self._last_dht_store >= 0.75 * self._ttl_s
+        self._since_dht_store += 1
         return self._send(record, dht_store or not self._push or due)
 
     def _send(self, record: dict, dht_store: bool) -> Future:
         subkey, expiration_time = self._dht.peer_id.to_base58(), get_dht_time() + self._ttl_s
         if dht_store:
             self._last_dht_store = time.monotonic()
+            self._since_dht_store = 1
             return self._dht.store(self._key, subkey=subkey, value=record, expiration_time=expiration_time, return_future=True)
         push = partial(push_record, key=self._key, subkey=subkey, value=record, expiration_time=expiration_time)
         return self._dht.run_coroutine(push, return_future=True)

@@ -54,6 +54,21 @@ def test_a_record_goes_the_dhts_way_again_before_its_copy_there_expires(monkeypa
     assert sent == ["dht", "push", "push", "dht", "push", "push", "dht"]
 
 
+def test_the_tenth_record_is_counted_from_the_last_store_whatever_made_it_go(monkeypatch):
+    sent: list[str] = []
+    clock = itertools.count(0.0, 50.0)  # as above: the copy's lifetime sends every 3rd record the DHT's way
+    monkeypatch.setattr("p2p_diloco.swarm.progress.time.monotonic", lambda: next(clock))
+    beacon = _beacon(sent, push=True)
+    try:
+        for _ in range(4 * 3):
+            beacon.publish_now()
+    finally:
+        beacon._stop.set()
+        beacon._wake.set()
+    # counted from the start, the 11th record would have gone the DHT's way too, right after the 10th
+    assert DHT_EVERY == 10 and sent == ["dht", "push", "push"] * 4
+
+
 def test_without_push_every_record_is_a_dht_store():
     sent: list[str] = []
     beacon = _beacon(sent, push=False)
