@@ -146,8 +146,8 @@ class ProgressBeacon:
     When the read finds nobody else although peers were seen before (or initial peers were given), the beacon
     pings them (``_rejoin``), at most once per ``rejoin_every_s``: a DHT that lost its routing table reconnects.
 
-    ``push``: a record goes straight to the peers this node knows (``push_record``), and every ``DHT_EVERY``-th
-    one (the first included) with a DHT store; otherwise every record is a DHT store.
+    ``push``: a record goes straight to the peers this node knows (``push_record``), and the first one and at the
+    latest every ``DHT_EVERY``-th one after the last stored with a DHT store; otherwise every record is a DHT store.
     """
 
     def __init__(
