@@ -165,7 +165,8 @@ class ProgressBeacon:
         self._dht, self._key, self._period_s, self._ttl_s = dht, key, period_s, ttl_s
         self._nice = nice  # lowers this beacon's thread (swarm/processes.py)
         self._push = push
-        # records published since the last that went the DHT's way (the first goes that way), and when that was
+        # records published since the last that went the DHT's way, that one counted (the first goes that way), and
+        # when that was
         self._since_dht_store = DHT_EVERY
         self._last_dht_store = -math.inf  # monotonic
         self._read_peers, self._pace = read_peers, pace

@@ -259,7 +259,8 @@ def test_state_download_skips_refused_donors_and_names_the_donor():
         # donor the caller did not rank comes after the ranked ones
         assert averagers[0].load_state_excluding(timeout=10, prefer={ids[2]: (1, 5), ids[1]: (0, 9)})[2] == ids[2]
         assert averagers[0].load_state_excluding(timeout=10, prefer={ids[2]: (0, 0)})[2] == ids[2]
-        # the loop above may have downloaded from the second donor while the first's declaration was on its way
+        # the loads above served from the second donor too (the two ranked ones, and the loop's while the first's
+        # declaration was on its way): count from here
         served_before, bytes_before = averagers[2].traffic.served()
         metadata, tensors, donor = averagers[0].load_state_excluding(timeout=10, exclude=[ids[1]])
         assert (metadata, donor) == ({"who": 2}, ids[2]) and torch.equal(tensors[0], torch.full((4,), 2.0))
