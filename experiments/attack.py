@@ -8,20 +8,18 @@ outer step. The adversaries are real peers started by ``experiments/adversary_pe
 ``non_member_allow_list`` an honest peer whose own key is not on a closed run's allow-list (it signs its records
 and lists the members' keys too, so it accepts theirs: the strongest stranger).
 
-The calm run is repeated (``--calm-runs``): the spread between calm runs is the noise of the measure, and each
-attack is compared with their mean. A calm run also starts a *bystander*: an honest peer of another run, training
-alone on the adversary's shard until the scenario ends, so that every run has four training processes on the
-same cores: an adversary trains too (all of them do) and takes CPU time from the honest peers, which a calm run
-of three processes would not share. (It did not close the gap in honest tokens per outer step seen with the
-earlier rounds of 20 inner steps, 4-13% fewer beside a NaN or x1e4 sender; with the rounds of DEFAULT_FLAGS
-the NaN and x1e4 runs trained +3% and -3% against the calm runs' mean.)
+Every peer runs at the defaults (``DEFAULT_FLAGS`` set only the model's size and the rounds' length), with ``--seed``
+per run: each scenario runs once per seed, paired with the calm run of that seed, and ``--peer-flags`` adds a second
+column of every run with more flags (e.g. ``--no-cross-check``). A calm run also starts a *bystander*: an honest peer
+of another run, training alone on the adversary's shard until the scenario ends, so that every run has four
+training processes on the same cores (an adversary trains too, and takes CPU time from the honest peers).
 
 Per scenario, from the peers' own metrics, logs and final checkpoints:
 
-- final eval loss of the honest peers' global params, and its change vs the calm run; and the change at equal
-  honest tokens (the tokens the honest peers trained together, up to the shortest run's total): rounds end on
-  a token budget learned from progress records a period old, so how many tokens an outer step holds varies
-  from run to run;
+- the honest peers' held-out loss at the last outer step, and at equal honest tokens (both curves interpolated at the
+  fewer tokens either run reached), each against its paired calm run, with both runs' outer steps and honest tokens:
+  rounds end on a token budget learned from progress records, so how many tokens an outer step holds varies, and
+  a run whose honest peers were made to skip training can look fine at equal tokens alone;
 - whether any honest global parameter (final checkpoint) or eval loss is non-finite;
 - invariant 1 among the honest peers;
 - delay: how much later the honest peers finished than in the calm run, and their failed rounds;
@@ -201,16 +199,10 @@ def eval_curve(honest: dict[str, list[dict]]) -> list[tuple[int, float, int]]:
     return curve
 
 
-def loss_at_tokens(curve: list[tuple[int, float, int]], tokens: int) -> tuple[int, float] | None:
-    """The outer step and loss of the last evaluation made when the honest peers had trained at most ``tokens``."""
-    within = [(step, loss) for step, loss, seen in curve if seen <= tokens]
-    return max(within) if within else None
-
-
 def loss_interpolated(curve: list[tuple[int, float, int]], tokens: int) -> float | None:
     """The held-out loss at exactly ``tokens`` honest tokens, linear in tokens between the two evaluations around
-    them (None outside the curve). ``loss_at_tokens`` takes the last evaluation at or under them, so two runs compare
-    up to an outer step apart, a step's progress (2-3% of the loss in mid-run) of noise from the grid alone."""
+    them (None outside the curve): the last evaluation at or under them would compare two runs up to an outer step
+    apart, a step's progress (2-3% of the loss in mid-run) of noise from the grid alone."""
     points = sorted((seen, loss) for _, loss, seen in curve)
     for (seen_a, loss_a), (seen_b, loss_b) in zip(points, points[1:]):
         if seen_a <= tokens <= seen_b:
@@ -243,61 +235,82 @@ def _log_names(path: Path, peer_id: str) -> bool:
 
 
 def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each scenario's row of the table, against the mean of the calm runs (a calm run's own row shows how far
-    it lies from that mean: the noise of the measure)."""
-    calms = [r for r in results if r["scenario"] == "calm"]
-    losses = [r["final_eval_loss"] for r in calms if r["final_eval_loss"] is not None]
-    finishes = [r["honest_finish_s"] for r in calms if r["honest_finish_s"] is not None]
-    base = sum(losses) / len(losses) if losses else None
-    base_finish = sum(finishes) / len(finishes) if finishes else None
-    # equal honest tokens: every run at the shortest run's total, against the calm runs' mean there
-    totals = [r["honest_tokens"] for r in results if r.get("honest_tokens")]
-    equal = min(totals) if totals else 0
-    at_equal = {id(r): loss_at_tokens([tuple(point) for point in r.get("eval_curve", [])], equal) for r in results}
-    calm_at_equal = [at_equal[id(r)][1] for r in calms if at_equal[id(r)] is not None]
-    base_equal = sum(calm_at_equal) / len(calm_at_equal) if calm_at_equal else None
-    # interpolated: at the fewest honest tokens any run had evaluated at (a run's last records come after its last
-    # evaluation, so its total can lie past its curve)
-    reached = [max(point[2] for point in r["eval_curve"]) for r in results if r.get("eval_curve")]
-    equal_between = min(reached) if reached else 0
-    between = {id(r): loss_interpolated([tuple(point) for point in r.get("eval_curve", [])], equal_between)
-               for r in results}
-    calm_between = [between[id(r)] for r in calms if between[id(r)] is not None]
-    base_between = sum(calm_between) / len(calm_between) if calm_between else None
+    """Each run's row of the table, against the calm run of the same seed and peer flags (its pair): the held-out loss
+    at the last outer step, and at equal honest tokens (both curves interpolated at the fewer tokens either reached),
+    with the outer steps and honest tokens of both, since a run whose honest peers were made to skip training can look
+    fine at equal tokens alone. A calm run's own row compares it with the calm run of the next seed: the noise."""
+    calms = {(r.get("seed"), r.get("column", "")): r for r in results if r["scenario"] == "calm"}
+    seeds = sorted({key[0] for key in calms if key[0] is not None})
     rows = []
     for result in results:
-        loss = result["final_eval_loss"]
-        change = (loss - base) / base if loss is not None and base else None
-        named = bool(result["adversary_named_in_metrics_by"] or result["adversary_refused_in_logs_of"]) or (
-            result["scenario"] in STRANGERS and not result["adversary_in_honest_group"]
-        )
-        point = at_equal[id(result)]
-        rows.append(dict(
-            scenario=result["scenario"],
-            run=result.get("run", result["scenario"]),
-            final_outer_step=result["final_outer_step"],
-            eval_loss=loss,
-            eval_loss_vs_calm=round(change, 4) if change is not None else None,
-            honest_tokens=result.get("honest_tokens"),
-            equal_tokens=equal,
-            outer_step_at_equal_tokens=point[0] if point else None,
-            eval_loss_at_equal_tokens=point[1] if point else None,
-            vs_calm_at_equal_tokens=round((point[1] - base_equal) / base_equal, 4) if point and base_equal else None,
-            interpolated_tokens=equal_between,
-            eval_loss_interpolated=between[id(result)],
-            vs_calm_interpolated=round((between[id(result)] - base_between) / base_between, 4)
-            if between[id(result)] is not None and base_between else None,
-            honest_non_finite=result["honest_non_finite"],
-            attacker_chosen_states=len(result.get("attacker_chosen_states", [])),
-            invariant_1=result["invariant_1"]["held"],
-            delay_s=round(result["honest_finish_s"] - base_finish, 1)
-            if result["honest_finish_s"] is not None and base_finish is not None else None,
-            honest_failed_rounds=result["honest_failed_rounds"],
-            honest_stale_rounds=result.get("honest_stale_rounds"),
-            adversary_named=None if result["scenario"] == "calm" else named,
-            named_by=result["adversary_named_in_metrics_by"] or result["adversary_refused_in_logs_of"],
-        ))
+        key = (result.get("seed"), result.get("column", ""))
+        pair = calms.get(key)
+        if result["scenario"] == "calm" and len(seeds) > 1 and key[0] in seeds:  # against the next seed's calm run
+            pair = calms.get((seeds[(seeds.index(key[0]) + 1) % len(seeds)], key[1]))
+        rows.append(_row(result, pair))
     return rows
+
+
+def _row(result: dict[str, Any], pair: dict[str, Any] | None) -> dict[str, Any]:
+    loss, base = result["final_eval_loss"], (pair or {}).get("final_eval_loss")
+    curve = [tuple(point) for point in result.get("eval_curve", [])]
+    pair_curve = [tuple(point) for point in (pair or {}).get("eval_curve", [])]
+    equal = min(max(point[2] for point in curve), max(point[2] for point in pair_curve)) if curve and pair_curve else 0
+    at_equal, pair_at_equal = loss_interpolated(curve, equal), loss_interpolated(pair_curve, equal)
+    named = bool(result["adversary_named_in_metrics_by"] or result["adversary_refused_in_logs_of"]) or (
+        result["scenario"] in STRANGERS and not result["adversary_in_honest_group"]
+    )
+    return dict(
+        scenario=result["scenario"],
+        run=result.get("run", result["scenario"]),
+        seed=result.get("seed"),
+        column=result.get("column", ""),
+        paired_with=(pair or {}).get("run"),
+        final_outer_step=result["final_outer_step"],
+        paired_final_outer_step=(pair or {}).get("final_outer_step"),
+        eval_loss=loss,
+        paired_eval_loss=base,
+        vs_paired_at_last_step=round((loss - base) / base, 4) if loss is not None and base else None,
+        honest_tokens=result.get("honest_tokens"),
+        paired_honest_tokens=(pair or {}).get("honest_tokens"),
+        equal_tokens=equal,
+        eval_loss_at_equal_tokens=at_equal,
+        vs_paired_at_equal_tokens=round((at_equal - pair_at_equal) / pair_at_equal, 4)
+        if at_equal is not None and pair_at_equal else None,
+        honest_non_finite=result["honest_non_finite"],
+        attacker_chosen_states=len(result.get("attacker_chosen_states", [])),
+        invariant_1=result["invariant_1"]["held"],
+        delay_s=round(result["honest_finish_s"] - pair["honest_finish_s"], 1)
+        if pair and result["honest_finish_s"] is not None and pair.get("honest_finish_s") is not None else None,
+        honest_failed_rounds=result["honest_failed_rounds"],
+        honest_stale_rounds=result.get("honest_stale_rounds"),
+        adversary_named=None if result["scenario"] == "calm" else named,
+        named_by=result["adversary_named_in_metrics_by"] or result["adversary_refused_in_logs_of"],
+    )
+
+
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per scenario and peer flags over its seeds: the median and range of each paired change, and the
+    counts that must be zero (attacker-chosen states, invariant 1 broken, non-finite) or all (adversary named)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["scenario"], row["column"]), []).append(row)
+    summary = []
+    for (scenario, column), group in groups.items():
+        line: dict[str, Any] = dict(scenario=scenario, column=column, seeds=len(group))
+        for field in ("vs_paired_at_last_step", "vs_paired_at_equal_tokens"):
+            values = sorted(row[field] for row in group if row[field] is not None)
+            line[field] = dict(median=values[len(values) // 2] if len(values) % 2 else
+                               (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2,
+                               min=values[0], max=values[-1]) if values else None
+        line["honest_tokens_vs_paired"] = [round(row["honest_tokens"] / row["paired_honest_tokens"], 3)
+                                           for row in group if row["honest_tokens"] and row["paired_honest_tokens"]]
+        line["attacker_chosen_states"] = sum(row["attacker_chosen_states"] for row in group)
+        line["invariant_1_broken"] = sum(not row["invariant_1"] for row in group)
+        line["honest_non_finite"] = sum(bool(row["honest_non_finite"]) for row in group)
+        line["named"] = None if scenario == "calm" else f"{sum(bool(row['adversary_named']) for row in group)}/{len(group)}"
+        summary.append(line)
+    return summary
 
 
 def _run_with_retries(name: str, run: str, out_dir: Path, flags: list[str], args: Any, prog: str) -> dict[str, Any]:
@@ -318,78 +331,117 @@ def _run_with_retries(name: str, run: str, out_dir: Path, flags: list[str], args
     return dict(scenario=name, run=run, error=error)
 
 
+def _percent(value: float | None) -> str:
+    return f"{100 * value:+.2f}%" if value is not None else "-"
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| attack | outer steps | eval loss | vs calm | honest tokens | vs calm at equal honest tokens (step) "
-            "| the same, interpolated | honest non-finite | states an attacker chose, held by honest peers | invariant 1 | delay (s) "
-            "| failed honest rounds | stale honest rounds | adversary named |")
-    lines = [head, "|" + "---|" * 14]
+    """The summary over seeds, then one line per run against its paired calm run."""
+    lines = ["| attack | peer flags | seeds | vs paired calm at the last outer step: median (range) | at equal honest "
+             "tokens: median (range) | honest tokens / paired calm's | attacker-chosen states held | invariant 1 broken "
+             "| adversary named |", "|" + "---|" * 9]
+    for line in summarise(rows):
+        cells = []
+        for field in ("vs_paired_at_last_step", "vs_paired_at_equal_tokens"):
+            figure = line[field]
+            cells.append(f"{_percent(figure['median'])} ({_percent(figure['min'])} ... {_percent(figure['max'])})"
+                         if figure else "-")
+        ratios = ", ".join(f"{ratio:.2f}" for ratio in line["honest_tokens_vs_paired"]) or "-"
+        lines.append(f"| {line['scenario']} | {line['column'] or 'defaults'} | {line['seeds']} | {cells[0]} | {cells[1]} "
+                     f"| {ratios} | {line['attacker_chosen_states']} | {line['invariant_1_broken']} | {line['named'] or '-'} |")
+    lines += ["", "| run | paired with | outer steps (paired) | eval loss (paired) | vs paired | honest tokens (paired) "
+              "| vs paired at equal honest tokens | honest non-finite | attacker-chosen states held | invariant 1 "
+              "| delay (s) | failed honest rounds | stale honest rounds | adversary named |", "|" + "---|" * 14]
     for row in rows:
-        change = f"{100 * row['eval_loss_vs_calm']:+.2f}%" if row["eval_loss_vs_calm"] is not None else "-"
         loss = f"{row['eval_loss']:.4f}" if row["eval_loss"] is not None else "-"
+        paired = f"{row['paired_eval_loss']:.4f}" if row["paired_eval_loss"] is not None else "-"
         named = "-" if row["adversary_named"] is None else ("yes" if row["adversary_named"] else "NO")
-        tokens = f"{row['honest_tokens']:,}" if row.get("honest_tokens") else "-"
-        equal = row.get("vs_calm_at_equal_tokens")
-        equal = f"{100 * equal:+.2f}% ({row['outer_step_at_equal_tokens']})" if equal is not None else "-"
-        between = row.get("vs_calm_interpolated")
-        between = f"{100 * between:+.2f}%" if between is not None else "-"
+        tokens = (f"{row['honest_tokens']:,} ({row['paired_honest_tokens']:,})"
+                  if row.get("honest_tokens") and row.get("paired_honest_tokens") else "-")
         lines.append(
-            f"| {row['run']} | {row['final_outer_step']} | {loss} | {change} | {tokens} | {equal} | {between} | {row['honest_non_finite']} | "
-            f"{row.get('attacker_chosen_states', '-')} | {'held' if row['invariant_1'] else 'VIOLATED'} | {row['delay_s']} | {row['honest_failed_rounds']} | "
-            f"{row.get('honest_stale_rounds', '-')} | {named} |"
+            f"| {row['run']} | {row['paired_with'] or '-'} | {row['final_outer_step']} ({row['paired_final_outer_step']}) "
+            f"| {loss} ({paired}) | {_percent(row['vs_paired_at_last_step'])} | {tokens} "
+            f"| {_percent(row['vs_paired_at_equal_tokens'])} | {row['honest_non_finite']} | {row['attacker_chosen_states']} "
+            f"| {'held' if row['invariant_1'] else 'VIOLATED'} | {row['delay_s']} | {row['honest_failed_rounds']} "
+            f"| {row.get('honest_stale_rounds', '-')} | {named} |"
         )
     return "\n".join(lines) + "\n"
 
 
+def plan(scenarios: list[str], seeds: list[int], columns: list[tuple[str, list[str]]]) -> list[tuple[str, str, int, str, list[str]]]:
+    """The runs, in order: per seed and peer flags, the calm run first, then each scenario with that seed (so that
+    each pair runs close in time); (scenario, run name, seed, column, column's flags)."""
+    runs = []
+    for seed in seeds:
+        for index, (column, column_flags) in enumerate(columns):
+            suffix = f"-s{seed}" + (f"-f{index}" if index else "")
+            for name in ["calm", *(name for name in scenarios if name != "calm")]:
+                runs.append((name, f"{name}{suffix}", seed, column, column_flags))
+    return runs
+
+
 def main(argv: list[str] | None = None, prog: str = "attack.py") -> int:
     import argparse
+    import shlex
 
-    parser = argparse.ArgumentParser(prog=prog, description="Attack a local swarm: honest peers plus one adversary "
-                                     "of each kind, each against a calm run; writes OUT/attack.json and OUT/attack.md.")
+    parser = argparse.ArgumentParser(prog=prog, description="Attack a local swarm at the peer's defaults: honest peers "
+                                     "plus one adversary of each kind, each paired with a calm run of the same seed; "
+                                     "writes OUT/attack.json and OUT/attack.md.")
     parser.add_argument("--out", default="runs/attack", help="output folder (default runs/attack)")
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS), help="which to run (calm always runs)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="seeds (--seed of every peer); each "
+                        "scenario runs once per seed, paired with a calm run of that seed (default 0 1)")
+    parser.add_argument("--peer-flags", default=None, metavar="FLAGS", help="a second column: every run again with "
+                        "these peer flags added, e.g. --peer-flags='--no-cross-check'")
     parser.add_argument("--outer-steps", type=int, default=12, help="outer steps every honest peer trains (default 12)")
     parser.add_argument("--timeout-s", type=float, default=240.0, help="bound on one scenario (default 240)")
     parser.add_argument("--retries", type=int, default=1, help="run a scenario again if a peer failed to start (default 1)")
-    parser.add_argument("--calm-runs", type=int, default=2, help="calm runs, compared with each other for the noise (default 2)")
     parser.add_argument("--reanalyse", action="store_true", help="run nothing: analyse again the runs OUT/attack.json "
                         "lists, from the metrics and logs in their folders, and rewrite the table")
     args, peer_flags = parser.parse_known_args(argv)
     out_dir = Path(args.out)
     if args.reanalyse:
         return _reanalyse(out_dir, prog)
+    try:
+        extra = shlex.split(args.peer_flags) if args.peer_flags else None
+    except ValueError as e:
+        parser.error(f"--peer-flags: {e}")
     out_dir.mkdir(parents=True, exist_ok=True)
     flags = [*DEFAULT_FLAGS, *peer_flags]
+    columns = [("", []), *([(args.peer_flags, extra)] if extra else [])]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that every scenario's peers are stopped
-    if args.calm_runs < 1:
-        parser.error("--calm-runs must be at least 1")
-    calms = [("calm", "calm" if i == 0 else f"calm{i + 1}") for i in range(args.calm_runs)]
-    # one calm run first, the others last: their spread also shows how the machine's load moved meanwhile
-    runs = [calms[0], *[(name, name) for name in args.scenarios if name != "calm"], *calms[1:]]
-    results = [_run_with_retries(name, run, out_dir, flags, args, prog) for name, run in runs]
+    results, runs = [], plan(args.scenarios, args.seeds, columns)
+    for name, run, seed, column, column_flags in runs:
+        result = _run_with_retries(name, run, out_dir, [*flags, "--seed", str(seed), *column_flags], args, prog)
+        results.append({**result, "seed": seed, "column": column})
+        _write(out_dir, dict(flags=flags, outer_steps=args.outer_steps, runs=len(runs)), results)  # each run, kept
+    rows = _write(out_dir, dict(flags=flags, outer_steps=args.outer_steps, runs=len(runs)), results)
+    print(markdown_table(rows), flush=True)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+def _write(out_dir: Path, settings: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     complete = [r for r in results if "error" not in r]
-    rows = compare(complete) if any(r["scenario"] == "calm" for r in complete) else []
-    (out_dir / "attack.json").write_text(json.dumps(dict(flags=flags, outer_steps=args.outer_steps, rows=rows, results=results), indent=1))
-    table = markdown_table(rows)
-    (out_dir / "attack.md").write_text(table)
-    print(table, flush=True)
-    return 0 if len(complete) == len(results) else 1
+    rows = compare(complete)
+    (out_dir / "attack.json").write_text(json.dumps(dict(settings, rows=rows, summary=summarise(rows), results=results), indent=1))
+    (out_dir / "attack.md").write_text(markdown_table(rows))
+    return rows
 
 
 def _reanalyse(out_dir: Path, prog: str) -> int:
     try:
         saved = json.loads((out_dir / "attack.json").read_text())
-        runs = [(r["scenario"], r.get("run", r["scenario"]), r["wall_s"]) for r in saved["results"] if "error" not in r]
+        runs = [(r["scenario"], r.get("run", r["scenario"]), r["wall_s"], r.get("seed"), r.get("column", ""))
+                for r in saved["results"] if "error" not in r]
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"{prog}: cannot read {out_dir / 'attack.json'}: {e}", file=sys.stderr)
         return 2
     results = []
-    for name, run, wall_s in runs:
+    for name, run, wall_s, seed, column in runs:
         folder = out_dir / run
         records = {path.stem: read_metrics(path) for path in sorted(folder.glob("*.jsonl"))}
-        results.append({**analyse(name, folder, records, wall_s), "run": run})
-    rows = compare(results) if any(r["scenario"] == "calm" for r in results) else []
-    (out_dir / "attack.json").write_text(json.dumps({**saved, "rows": rows, "results": results}, indent=1))
-    table = markdown_table(rows)
-    (out_dir / "attack.md").write_text(table)
-    print(table, flush=True)
+        results.append({**analyse(name, folder, records, wall_s), "run": run, "seed": seed, "column": column})
+    settings = {key: value for key, value in saved.items() if key not in ("rows", "summary", "results")}
+    rows = _write(out_dir, settings, results)
+    print(markdown_table(rows), flush=True)
     return 0

@@ -123,66 +123,82 @@ def _before(own: Sequence[Node], chains: Iterable[Sequence[Node]]) -> set[Node]:
 
 def choose_target(
     records: Mapping[str, Mapping], own: Sequence[Node], fresh: bool, own_id: str = "", anchors: Iterable[str] = (),
-    unseen: int = 0, settled: bool = True,
+    unseen: int = 0, settled: bool = True, abstaining: int = 0,
 ) -> Target | None:
-    """The state this peer should take, or None to keep its own. ``records``: the live, unbanned peers' progress
-    records by peer id; ``own``: this peer's chain, head last; ``fresh``: whether its history is its own word only;
-    ``anchors``: the peers it was told to join through (``--initial-peers``); ``unseen``: live peers this peer saw
-    a moment ago whose records this read lacks (a partial read). They count as peers at our head, vouching for
-    nothing past it: a read that shows only a liar is no swarm of one. ``settled``: whether this peer has read the
-    swarm for long enough (two idle periods, SwarmView) to call a lone peer a swarm of one: before, only an anchor's
-    lone word is. See the module docstring."""
+    """The state this peer should take, or None to keep its own. ``records``: the voters' progress records by peer
+    id (the live, unbanned peers less the quiet ones); ``own``: this peer's chain, head last; ``fresh``: whether its
+    history is its own word only; ``anchors``: the peers it was told to join through (``--initial-peers``);
+    ``unseen``: live peers this peer saw a moment ago whose records this read lacks (a partial read); ``abstaining``:
+    live peers whose records are there but whose word does not count (quiet: killed or frozen). Unseen and abstaining
+    peers belong to the electorate and vouch for nothing, so a read that shows only a liar is no swarm of one and
+    two colluders of five are no majority, whoever else is quiet, fresh, behind or elsewhere. ``settled``: whether
+    this peer has read the swarm for long enough (two idle periods, SwarmView) to call a lone peer a swarm of one:
+    before, only an anchor's lone word is. See the module docstring."""
     others = _others(records, own_id)
     if not own or not others:
         return None
-    unseen = max(0, unseen)
-    head, count = own[-1], len(others) + unseen
+    unseen, abstaining = max(0, unseen), max(0, abstaining)
+    head = own[-1]
+    electorate = 1 + len(others) + unseen + abstaining  # this peer, and every live peer, whatever its history
     support = _support(others)  # vouchers among the others
-    after = _after(head, others.values())
-    holders = unseen + sum(head in chain for chain in others.values())  # the others on our history
-    # this peer votes too, for nothing past its head: two colluders beside two honest peers are no majority
-    ahead = [node for node in after if 2 * support[node] > holders + 1 and support[node] >= 2]
+
+    def backed(node: Node) -> bool:  # more than half of the electorate, two peers at least
+        return support.get(node, 0) >= 2 and 2 * support[node] > electorate
+
+    ahead = [node for node in _after(head, others.values()) if backed(node)]
     if ahead:
         return Target(*max(ahead), "majority")
     heads = {chain[-1] for chain in others.values()}
     behind = set(own) | _before(own, others.values())  # our history, up to our head
     ours = 1 + unseen + support.get(head, 0)  # peers whose chains hold our head, this one included
-    if fresh:  # only a head more vouched for than ours, or as much and further: never back along our own history.
-        # Ours counts the peers *at* our head: one that passed through it has moved on (a fresh peer in a swarm of
-        # two whose first round failed on its side only, or a joiner whose partner's chain still holds the start)
-        at_ours = 1 + unseen + sum(chain[-1] == head for chain in others.values())
-        # a tie goes to the further head only between lone words (a second peer joining a swarm of one): beside
-        # another peer at our start, two colluders' claim is a tie, and we wait for the swarm's first rounds. A
-        # joiner's first reads may show only whoever reached it first (a liar's record, the honest ones' not yet
-        # read: a CI run): a lone word is a swarm of one once we have read the swarm a while, or if it is an anchor's
-        def lone(node: Node) -> bool:
-            return settled or any(node in others[peer] for peer in anchors if peer in others)
+    if fresh:  # only a head the electorate backs, never back along our own history; or, in a swarm of two, the
+        # other's head if it is further (a second peer joining a swarm of one, or one whose first round failed on
+        # our side only). A joiner's first reads may show only whoever reached it first: a lone word is a swarm of
+        # one once we have read the swarm a while, or if it is an anchor's
+        def anchored(node: Node) -> bool:
+            return any(node in others[peer] for peer in anchors if peer in others)
 
-        better = {node for node in heads - behind
-                  if support[node] > at_ours or (support[node] == at_ours == 1 and node[0] > head[0] and lone(node))}
-        return _fresh_choice(better, support, others, set(anchors))
-    ours_too = behind | after
+        def lone(node: Node) -> bool:
+            return settled or anchored(node)
+
+        # a fresh peer alone at its head vouches for nothing (a joiner): the others decide, by more than half of
+        # them; beside peers at its head it is one of their side (two colluders against two peers at the start)
+        # (the unseen count as peers at our head)
+        voters = electorate - (0 if unseen or any(chain[-1] == head for chain in others.values()) else 1)
+        better = {node for node in heads - behind if (support[node] >= 2 and 2 * support[node] > voters)
+                  or (voters == 1 and node[0] > head[0] and lone(node))}
+        if not better:  # the others split in halves (two honest peers, two colluders): an anchor's side, if one only
+            halves = {node for node in heads - behind if 2 * support[node] == voters and anchored(node)}
+            better = halves if len(halves) == 1 else set()
+        return Target(*max(better), "fresh") if better else None  # backed heads lie on one history: the furthest
     elsewhere = [node for node, vouchers in support.items()
-                 if node not in ours_too and 2 * vouchers > count + 1 and vouchers > ours]
+                 if node not in behind | _after(head, others.values()) and backed(node) and vouchers > ours]
     if elsewhere:
         return Target(*max(elsewhere), "majority")
-    following = [chain[-1] for chain in others.values() if head in chain and chain[-1][0] == head[0] + 1]
-    if following:
-        return Target(*max(following, key=lambda node: (support[node], _smaller(node[1]))), "next")
+    # one candidate only (two next steps on our history are a choice for a majority), held by half the electorate
+    # at least: the other of a swarm of two, never a minority's claim
+    following = {chain[-1] for chain in others.values() if head in chain and chain[-1][0] == head[0] + 1}
+    if len(following) == 1 and 2 * support[next(iter(following))] >= electorate:
+        return Target(*following.pop(), "next")
     rivals = [node for node in heads if node[0] == head[0] and node[1] != head[1] and support[node] >= ours]
     if rivals:
         best = max([*rivals, head], key=lambda node: (support.get(node, 0) + (node == head) * (1 + unseen),
                                                       _smaller(node[1])))
-        if best != head:  # as many vouching for both: the smaller sha256 decided, which a hostile side can grind for
-            tie = support.get(best, 0) == support.get(head, 0) + 1 + unseen
-            return Target(*best, "tie" if tie else "fork")
-        return None  # heads at our step decide, on both sides alike: the rule below must not contradict them
-    split = _split_tie(own, others, support, unseen)
+        if best == head:
+            return None  # heads at our step decide, on both sides alike: the rule below must not contradict them
+        if backed(best):
+            return Target(*best, "fork")
+        # as many vouching for both, and the two sides the whole electorate: the smaller sha256 decided, which a
+        # hostile side can grind for (the learner checks it). Two colluders beside two honest sides are a third side
+        if support[best] == ours and 2 * ours == electorate:
+            return Target(*best, "tie")
+        return None
+    split = _split_tie(own, others, support, unseen, electorate)
     return Target(*split, "tie") if split is not None else None
 
 
 def _split_tie(own: Sequence[Node], others: Mapping[str, Sequence[Node]], support: Mapping[Node, int],
-               unseen: int) -> Node | None:
+               unseen: int, electorate: int) -> Node | None:
     """The head to take when the swarm split into two sides vouched for alike and one side already carried on past
     the step where they differ (a round that split into two groups of two, one of which averaged again before the
     tie was seen): the rule of a same-step fork applied at that step, so both sides pick the same. The side whose
@@ -196,26 +212,14 @@ def _split_tie(own: Sequence[Node], others: Mapping[str, Sequence[Node]], suppor
         if split_at is None or (split_at[0] - 1, mine.get(split_at[0] - 1)) not in chain:
             continue
         ours = (split_at[0], mine[split_at[0]])
-        if support.get(split_at, 0) != 1 + unseen + support.get(ours, 0) or int(split_at[1], 16) >= int(ours[1], 16):
+        if (support.get(split_at, 0) != 1 + unseen + support.get(ours, 0) or 2 * support.get(split_at, 0) != electorate
+                or int(split_at[1], 16) >= int(ours[1], 16)):
             continue
         head = chain[-1]
         key = (support.get(head, 0), head[0], _smaller(head[1]))
         if best is None or key > best[0]:
             best = (key, head)
     return best[1] if best is not None else None
-
-
-def _fresh_choice(heads: set[Node], support: Mapping[Node, int], others: Mapping[str, Sequence[Node]],
-                  anchors: set[str]) -> Target | None:
-    """A fresh peer takes the head most others vouch for. A tie it breaks only by the word of a peer it was told to
-    join through; otherwise it waits for a majority (two colluders beside two honest peers must not win it)."""
-    if not heads:
-        return None
-    top = max(support[node] for node in heads)
-    best = [node for node in heads if support[node] == top]
-    if len(best) > 1:
-        best = [node for node in best if any(node in others[peer] for peer in anchors if peer in others)]
-    return Target(*best[0], "fresh") if len(best) == 1 else None
 
 
 def _smaller(sha: str) -> int:

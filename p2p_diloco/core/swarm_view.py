@@ -226,7 +226,8 @@ class SwarmView:
         if self._first_target_at is None:
             self._first_target_at = now
         settled = now - self._first_target_at >= MEMORY_PERIODS * self.idle_s  # a lone word: a swarm of one, or a liar
-        target = history.choose_target(voters, chain, fresh, self.own_id, self.anchors, unseen, settled)
+        abstaining = len(live.keys() - voters.keys() - {self.own_id})  # quiet: in the electorate, vouching for nothing
+        target = history.choose_target(voters, chain, fresh, self.own_id, self.anchors, unseen, settled, abstaining)
         if target is None and not fresh:
             for peer, node in history.unbacked_claims(voters, chain, self.own_id).items():
                 said, checks = self._claims.get(peer, (frozenset(), 0))

@@ -68,8 +68,11 @@ def test_two_colluders_of_five_move_nobody():
         records = view({"b": honest, "c": honest, "x": fake, "y": fake})
         assert choose_target(records, honest, fresh=False, own_id="a") is None
         assert set(unbacked_claims(records, honest, own_id="a")) == {"x", "y"}
-        # behind by a failed round: the honest next step, which the learner checks by recomputing it
-        assert choose_target(records, history("h", 8), fresh=False, own_id="a").node == (9, sha("h9"))
+        # behind by a failed round: two of five vouch for the next step, which two colluders could do as well. The
+        # peer waits for the colluders' own chains to pass it (an adversary in honest groups reports their steps)
+        # or for a third voucher; with one of them vouching, the honest next step is checked by recomputing it
+        assert choose_target(records, history("h", 8), fresh=False, own_id="a") is None
+        assert choose_target({**records, "x": record(honest)}, history("h", 8), fresh=False, own_id="a").node == (9, sha("h9"))
         # a late joiner, two honest peers against two colluders: only the peer it joined through breaks the tie
         assert choose_target(records, [(0, sha("init"))], fresh=True, own_id="a") is None
         assert choose_target(records, [(0, sha("init"))], fresh=True, own_id="a", anchors={"b"}) == Target(9, sha("h9"), "fresh")
@@ -323,3 +326,57 @@ def test_donors_holding_the_target_are_asked_first_then_the_furthest_heads():
     # a liar that claims a further head on other bytes ranks below every holder of the target
     liar = view({"liar": history("x", 40)})
     assert donor_ranks({**records, **liar}, target)["liar"] < ranks["holder"]
+
+
+def test_two_colluders_of_five_move_nobody_whatever_the_honest_peers_are_doing():
+    """The records an honest peer read when it took two colluders' made-up step 7 (scripts/attack.py, colluders):
+    it had averaged step 2; one honest peer was a step behind (its round failed), the late joiner still at the start,
+    and the colluders vouched for our history up to step 2, then for their own. Counting only the peers on our
+    history, two of three made a majority; two of the five live peers are none. Nor when the honest peers are quiet
+    or unseen, nor at a later step where the colluders claim other bytes for ours (a tie they could grind for)."""
+    made_up = [*history("h", 2), *history("x", 7, first=3)]
+    moment = view({"b": history("h", 1), "c": history("h", 0), "x": made_up, "y": made_up})
+    assert choose_target(moment, history("h", 2), fresh=False, own_id="a") is None
+    for fresh, own in ((True, history("h", 0)), (False, history("h", 1)), (True, history("h", 1))):
+        target = choose_target({**moment, "a": record(history("h", 2))}, own, fresh=fresh, own_id="c")
+        assert target is None or not target.sha256.startswith(tuple(sha(f"x{k}")[:8] for k in range(3, 8)))
+    colluders_only = view({"x": made_up, "y": made_up})
+    for abstaining, unseen in ((2, 0), (0, 2), (1, 1)):  # the honest peers quiet (slow to publish) or missed by a read
+        for fresh in (False, True):
+            assert choose_target(colluders_only, history("h", 2), fresh, "a", unseen=unseen, abstaining=abstaining) is None
+    # step 12: one honest peer at our head, one behind; the colluders at our step on bytes of their own
+    theirs = [*history("h", 11), (12, sha("x12"))]
+    later = view({"b": history("h", 12), "c": history("h", 10), "x": theirs, "y": theirs})
+    assert choose_target(later, history("h", 12), fresh=False, own_id="a") is None
+    # the same counts among honest peers only (a round split in two groups of two, the fifth behind): a fifth live
+    # peer makes halves no longer the whole electorate, so nobody moves on the smaller hash until it catches up
+    assert choose_target(later, history("h", 12), fresh=False, own_id="a", abstaining=0) is None
+
+
+def test_a_node_only_colluders_vouch_for_is_never_taken_in_random_swarms():
+    """Random swarms of up to 9 peers, honest ones at random heads of one honest history (fresh, behind, ahead,
+    quiet, unseen), and colluders, fewer than half of the live peers, vouching for our history and then for a
+    made-up one of their own, ahead or at our step: no rule returns a made-up node."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        live = rng.randint(3, 9)
+        colluders = rng.randint(1, (live - 1) // 2)
+        honest = live - colluders - 1  # this peer aside
+        top = rng.randint(1, 30)
+        own_step = rng.randint(0, top)
+        heads = [rng.randint(0, top) for _ in range(honest)]
+        quiet = rng.randint(0, honest)
+        unseen = rng.randint(0, honest - quiet)
+        fork = rng.randint(max(1, own_step - 3), own_step + 3)
+        lead = rng.choice([0, 1, 2, 5])
+        made_up = [*history("h", fork - 1, first=max(0, fork - 4)), *history("x", fork + lead, first=fork)]
+        peers = {f"h{i}": history("h", step, first=max(0, step - CHAIN + 1))
+                 for i, step in enumerate(heads[quiet + unseen:])}
+        peers.update({f"x{i}": made_up for i in range(colluders)})
+        for fresh in (False, True):
+            target = choose_target(view(peers), history("h", own_step, first=max(0, own_step - CHAIN + 1)), fresh,
+                                   "a", unseen=unseen, abstaining=quiet, settled=True)
+            assert target is None or target.sha256 not in {node[1] for node in history("x", fork + lead, first=fork)}, (
+                peers.keys(), own_step, fork, lead, unseen, quiet, fresh, target)
