@@ -14,6 +14,7 @@ import pytest
 from experiments.wan import Wan, leftovers, unavailable_reason
 from p2p_diloco.cli.peer_processes import LocalSwarm
 from p2p_diloco.core.compression import make_codec
+from p2p_diloco.core.config import SwarmConfig
 
 from .harness import FAST_PEER_FLAGS
 
@@ -92,8 +93,10 @@ def test_two_peers_average_over_capped_links(tmp_path, reaper):
     averaged = {name: [r for r in rs if r["status"] == "ok" and r["group_size"] == 2] for name, rs in records.items()}
     assert all(averaged.values()), f"no round averaged in a group of 2: {swarm.log_tails()}"
     # what the codec predicts: with 2 peers each one sends the encoded half it does not reduce, then the
-    # encoded average of the half it reduces, so the encoded size of the whole outer gradient per round
-    encoded = MODEL_PARAMS * make_codec("int8").bytes_per_value()
+    # encoded average of the half it reduces, so the encoded size of the whole outer gradient per all-reduce; a
+    # cross-checked round (the default) runs its all-reduce twice, each half reduced by the other peer the second time
+    all_reduces = 2 if SwarmConfig().cross_check else 1
+    encoded = all_reduces * MODEL_PARAMS * make_codec("int8").bytes_per_value()
     for name, (sent, _) in zip(("peer0", "peer1"), wire):
         predicted = len(averaged[name]) * encoded
         counted = sum(r["bytes_sent"] for r in averaged[name])  # the averager's own count of what it sent
