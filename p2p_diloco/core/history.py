@@ -4,31 +4,28 @@ no torch.
 
 Every progress record carries its peer's *chain*: the (outer step, state sha256) of its last few heads, the
 current one last (``recent``, and ``outer_step``/``global_sha256``). A peer *vouches* for every node of its chain.
-Only the live, unbanned peers a peer reads vote, and nobody's word alone moves a peer, but in a swarm too small
-for a majority. The rules, in order (``Target.how``):
+The *electorate* is every live, unbanned peer, this one included, whatever its history; the quiet and the unseen
+count in it and vouch for nothing. A node is *backed* when more than half of the electorate vouches for it, and
+two peers at least: two backed nodes share a voucher, so they lie on one history, and while adversaries are fewer
+than half of the live peers every backed node has an honest voucher. The rules, in order (``Target.how``):
 
-- ``majority`` (catching up): the highest node past this peer's head, on its own history (a chain that holds our
-  head holds it after it), that more than half of the peers on that history (whose chains hold our head, this
-  one included: it vouches for nothing past its head) vouch for, and two of them at least.
+- ``majority`` (catching up): the furthest backed node past this peer's head, on its own history.
 - ``fresh``: a peer that has not averaged in a group since it started (a late joiner, a peer resumed from an old
-  checkpoint) takes the head most others vouch for, if more vouch for it than are at our head (this peer
-  included), or one against one and it is further (a second peer joining a swarm of one; a late joiner beside three honest peers and a liar). A tie it breaks only by the word of a peer it was told to join through
-  (``--initial-peers``); otherwise it waits: beside two honest peers, two colluders must not win it.
-- ``majority`` (another history): for a peer that has averaged, the highest node not on its chain that more than
-  half of all the peers, this one included, vouch for, and more of them than vouch for its head: a partition's
-  smaller side takes the larger side's history, even at a lower step.
-- ``next``: a head one step past ours whose chain holds our head. In a swarm too small for a majority (two peers,
-  one of whose rounds failed) it is the only way forward, so it needs no vouchers, but the learner takes it only
-  if it recomputes that step from its own state and the average the donor serves, and that average passes the
-  checks of a reducer's result against what this peer sent (docs/design.md §7).
-- ``fork``: the same step as ours on other bytes, vouched for by as many peers as ours or more: the better-vouched
-  bytes, a tie going to the smallest sha256, so both sides of a fork pick the same. A tie is returned as ``tie``:
-  a hostile side can grind its sha256 to win it, so the learner takes it only if its state lies within what an
-  honest group could have made from the parent both sides share (verify.tie_problem).
-- ``tie`` (sides of a split): no head at our step on other bytes, but a side that differs from ours at an earlier
-  step, with a common parent in both chains, vouched for there by as many peers as our side: the same rule at the
-  step where the sides differ, so both sides pick the same (a round split into two groups of two, one of which
-  averaged again before the tie was seen). Its best-vouched, then furthest head is taken as a tie, checked alike.
+  checkpoint) takes the furthest head backed by more than half of the electorate, itself left out unless a peer
+  is at its head (a joiner vouches for nothing); in a swarm of two, the other's head if it is further. When the
+  others split in two equal halves, the half of a peer it was told to join through (``--initial-peers``);
+  otherwise it waits: beside two honest peers, two colluders must not win it.
+- ``majority`` (another history): for a peer that has averaged, the furthest backed node off its chain vouched for
+  by more than its head: a partition's smaller side takes the larger side's history, even at a lower step.
+- ``next``: the one head one step past ours whose chain holds our head, held by half the electorate at least (the
+  other of a swarm of two, one of whose rounds failed); the learner takes it only if it recomputes that step from
+  its own state and the average the donor serves, and that average passes the checks of a reducer's result
+  against what this peer sent (docs/design.md §7).
+- ``fork``: a backed head at our step on other bytes.
+- ``tie``: the two sides of a fork at our step (or, ``_split_tie``, at the step where two sides differ) are the
+  whole electorate in two equal halves: the side with the smaller sha256, so both sides pick the same. A hostile
+  side can grind its sha256, so the learner takes it only if its state lies within what an honest group could
+  have made from the parent both sides share (verify.tie_problem).
 
 A read of the records may miss some (a joiner's first pushes, a DHT answer from part of the swarm): live peers
 seen a moment ago that a read lacks count as peers at our head that vouch for nothing past it (``unseen``), so that
@@ -151,26 +148,8 @@ def choose_target(
     heads = {chain[-1] for chain in others.values()}
     behind = set(own) | _before(own, others.values())  # our history, up to our head
     ours = 1 + unseen + support.get(head, 0)  # peers whose chains hold our head, this one included
-    if fresh:  # only a head the electorate backs, never back along our own history; or, in a swarm of two, the
-        # other's head if it is further (a second peer joining a swarm of one, or one whose first round failed on
-        # our side only). A joiner's first reads may show only whoever reached it first: a lone word is a swarm of
-        # one once we have read the swarm a while, or if it is an anchor's
-        def anchored(node: Node) -> bool:
-            return any(node in others[peer] for peer in anchors if peer in others)
-
-        def lone(node: Node) -> bool:
-            return settled or anchored(node)
-
-        # a fresh peer alone at its head vouches for nothing (a joiner): the others decide, by more than half of
-        # them; beside peers at its head it is one of their side (two colluders against two peers at the start)
-        # (the unseen count as peers at our head)
-        voters = electorate - (0 if unseen or any(chain[-1] == head for chain in others.values()) else 1)
-        better = {node for node in heads - behind if (support[node] >= 2 and 2 * support[node] > voters)
-                  or (voters == 1 and node[0] > head[0] and lone(node))}
-        if not better:  # the others split in halves (two honest peers, two colluders): an anchor's side, if one only
-            halves = {node for node in heads - behind if 2 * support[node] == voters and anchored(node)}
-            better = halves if len(halves) == 1 else set()
-        return Target(*max(better), "fresh") if better else None  # backed heads lie on one history: the furthest
+    if fresh:
+        return _fresh_target(own, others, support, heads - behind, unseen, electorate, set(anchors), settled)
     elsewhere = [node for node, vouchers in support.items()
                  if node not in behind | _after(head, others.values()) and backed(node) and vouchers > ours]
     if elsewhere:
@@ -195,6 +174,29 @@ def choose_target(
         return None
     split = _split_tie(own, others, support, unseen, electorate)
     return Target(*split, "tie") if split is not None else None
+
+
+def _fresh_target(own: Sequence[Node], others: Mapping[str, Sequence[Node]], support: Mapping[Node, int],
+                  heads: set[Node], unseen: int, electorate: int, anchors: set[str], settled: bool) -> Target | None:
+    """A fresh peer's choice among the others' ``heads`` off its own history (never back along it). A fresh peer
+    alone at its head vouches for nothing (a joiner), so the others decide, by more than half of them; beside peers
+    at its head (the unseen count as such) it is one of their side: two colluders against two peers at the start
+    are no majority. In a swarm of two, the other's head if it is further (a second peer joining a swarm of one,
+    or one whose first round failed on our side only), once this peer has read the swarm a while or if the other
+    is an anchor: a joiner's first reads may show only whoever reached it first. Backed heads lie on one history:
+    the furthest is taken."""
+    head = own[-1]
+
+    def anchored(node: Node) -> bool:
+        return any(node in others[peer] for peer in anchors if peer in others)
+
+    voters = electorate - (0 if unseen or any(chain[-1] == head for chain in others.values()) else 1)
+    better = {node for node in heads if (support[node] >= 2 and 2 * support[node] > voters)
+              or (voters == 1 and node[0] > head[0] and (settled or anchored(node)))}
+    if not better:  # the others split in halves (two honest peers, two colluders): an anchor's side, if one only
+        halves = {node for node in heads if 2 * support[node] == voters and anchored(node)}
+        better = halves if len(halves) == 1 else set()
+    return Target(*max(better), "fresh") if better else None
 
 
 def _split_tie(own: Sequence[Node], others: Mapping[str, Sequence[Node]], support: Mapping[Node, int],
