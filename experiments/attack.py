@@ -308,7 +308,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         line["attacker_chosen_states"] = sum(row["attacker_chosen_states"] for row in group)
         line["invariant_1_broken"] = sum(not row["invariant_1"] for row in group)
         line["honest_non_finite"] = sum(bool(row["honest_non_finite"]) for row in group)
-        line["named"] = None if scenario == "calm" else f"{sum(bool(row['adversary_named']) for row in group)}/{len(group)}"
+        named = sum(bool(row["adversary_named"]) for row in group)
+        line["named"] = None if scenario == "calm" else f"{named}/{len(group)}"
         summary.append(line)
     return summary
 
@@ -338,8 +339,8 @@ def _percent(value: float | None) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The summary over seeds, then one line per run against its paired calm run."""
     lines = ["| attack | peer flags | seeds | vs paired calm at the last outer step: median (range) | at equal honest "
-             "tokens: median (range) | honest tokens / paired calm's | attacker-chosen states held | invariant 1 broken "
-             "| adversary named |", "|" + "---|" * 9]
+             "tokens: median (range) | honest tokens / paired calm's | attacker-chosen states held "
+             "| invariant 1 broken | adversary named |", "|" + "---|" * 9]
     for line in summarise(rows):
         cells = []
         for field in ("vs_paired_at_last_step", "vs_paired_at_equal_tokens"):
@@ -347,9 +348,11 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             cells.append(f"{_percent(figure['median'])} ({_percent(figure['min'])} ... {_percent(figure['max'])})"
                          if figure else "-")
         ratios = ", ".join(f"{ratio:.2f}" for ratio in line["honest_tokens_vs_paired"]) or "-"
-        lines.append(f"| {line['scenario']} | {line['column'] or 'defaults'} | {line['seeds']} | {cells[0]} | {cells[1]} "
-                     f"| {ratios} | {line['attacker_chosen_states']} | {line['invariant_1_broken']} | {line['named'] or '-'} |")
-    lines += ["", "| run | paired with | outer steps (paired) | eval loss (paired) | vs paired | honest tokens (paired) "
+        lines.append(f"| {line['scenario']} | {line['column'] or 'defaults'} | {line['seeds']} | {cells[0]} "
+                     f"| {cells[1]} | {ratios} | {line['attacker_chosen_states']} | {line['invariant_1_broken']} "
+                     f"| {line['named'] or '-'} |")
+    lines += ["", "| run | paired with | outer steps (paired) | eval loss (paired) | vs paired "
+              "| honest tokens (paired) "
               "| vs paired at equal honest tokens | honest non-finite | attacker-chosen states held | invariant 1 "
               "| delay (s) | failed honest rounds | stale honest rounds | adversary named |", "|" + "---|" * 14]
     for row in rows:
@@ -359,16 +362,19 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         tokens = (f"{row['honest_tokens']:,} ({row['paired_honest_tokens']:,})"
                   if row.get("honest_tokens") and row.get("paired_honest_tokens") else "-")
         lines.append(
-            f"| {row['run']} | {row['paired_with'] or '-'} | {row['final_outer_step']} ({row['paired_final_outer_step']}) "
+            f"| {row['run']} | {row['paired_with'] or '-'} "
+            f"| {row['final_outer_step']} ({row['paired_final_outer_step']}) "
             f"| {loss} ({paired}) | {_percent(row['vs_paired_at_last_step'])} | {tokens} "
-            f"| {_percent(row['vs_paired_at_equal_tokens'])} | {row['honest_non_finite']} | {row['attacker_chosen_states']} "
+            f"| {_percent(row['vs_paired_at_equal_tokens'])} | {row['honest_non_finite']} "
+            f"| {row['attacker_chosen_states']} "
             f"| {'held' if row['invariant_1'] else 'VIOLATED'} | {row['delay_s']} | {row['honest_failed_rounds']} "
             f"| {row.get('honest_stale_rounds', '-')} | {named} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def plan(scenarios: list[str], seeds: list[int], columns: list[tuple[str, list[str]]]) -> list[tuple[str, str, int, str, list[str]]]:
+def plan(scenarios: list[str], seeds: list[int],
+         columns: list[tuple[str, list[str]]]) -> list[tuple[str, str, int, str, list[str]]]:
     """The runs, in order: per seed and peer flags, the calm run first, then each scenario with that seed (so that
     each pair runs close in time); (scenario, run name, seed, column, column's flags)."""
     runs = []
@@ -423,7 +429,8 @@ def main(argv: list[str] | None = None, prog: str = "attack.py") -> int:
 def _write(out_dir: Path, settings: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     complete = [r for r in results if "error" not in r]
     rows = compare(complete)
-    (out_dir / "attack.json").write_text(json.dumps(dict(settings, rows=rows, summary=summarise(rows), results=results), indent=1))
+    saved = dict(settings, rows=rows, summary=summarise(rows), results=results)
+    (out_dir / "attack.json").write_text(json.dumps(saved, indent=1))
     (out_dir / "attack.md").write_text(markdown_table(rows))
     return rows
 

@@ -212,9 +212,9 @@ class SwarmConfig:
                             "(blockwise 8-bit, ~1 B/value), int4 (NF4 with error feedback, ~0.56 B/value), int2 (dense 2-bit with error "
                             "feedback, ~0.31 B/value), topk (3% of the values at 2 bits with error feedback, ~0.094 B/value)",
                             choices=COMPRESSIONS)
-    reducer_feedback: bool = knob(True, "with int4, int2 or topk, each reducer also keeps what its re-encode of a part's average "
-                                  "dropped and adds it to that part's average in the next round (only with --no-cross-check: "
-                                  "under a cross-check the two reducers of a share must agree)")
+    reducer_feedback: bool = knob(True, "with int4, int2 or topk, each reducer also keeps what its re-encode of a "
+                                  "part's average dropped and adds it to that part's average in the next round (only "
+                                  "with --no-cross-check: under a cross-check the two reducers of a share must agree)")
     matchmaking_time_s: float = knob(5.0, "seconds a ready peer waits for others to join its averaging group")
     averaging_timeout_s: float = knob(60.0, "seconds after which a round's averaging is abandoned")
     chunk_timeout_s: float = knob(5.0, "seconds of silence after which a groupmate is dropped from an all-reduce")
@@ -247,10 +247,10 @@ class SwarmConfig:
                                    metavar="MULTIADDR")
     relay_service: bool = knob(True, "relay for peers behind a NAT when this peer is reachable (bounded by p2pd's limits)")
     relay_wait_s: float = knob(20.0, "seconds a peer in relay mode waits for its relay to carry a stranger's dial")
-    cross_check: bool = knob(True, "average every share of each round twice, by two different reducers, and apply it "
-                             "only where both agree: a lying reducer then fails rounds instead of steering them, and is "
-                             "banned; --no-cross-check halves the averaging bytes and trusts every reducer (every "
-                             "member of a group must set it alike)")
+    cross_check: bool = knob(True, "average every share of each round twice, by two different reducers, and apply "
+                             "it only where both agree: a lying reducer then fails rounds instead of steering them, "
+                             "and is banned; --no-cross-check halves the averaging bytes and trusts every reducer "
+                             "(every member of a group must set it alike)")
     p2pd_threads: int = knob(1, "threads p2pd runs Go code on (GOMAXPROCS): one carries a peer's traffic and costs a "
                              "busy machine less CPU than one per core (docs/benchmarks.md); 0: Go's default, or the "
                              "environment's GOMAXPROCS", metavar="N")

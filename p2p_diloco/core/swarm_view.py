@@ -217,8 +217,9 @@ class SwarmView:
         """The state to take (history.choose_target among the voters: the live peers less the quiet ones, which count
         in the electorate as abstaining, those seen a moment ago that this read lacks counted as unseen); with nothing
         to follow, the heads far ahead are claims the swarm does not back: said once each, and a peer found claiming
-        at ``CLAIMS_TO_BAN`` checks is banned. ``silent_s``: how long each peer's record has gone unrenewed (ProgressReader.silent_s); ``gone``:
-        whether a peer's latest record expired (ProgressReader.expired), so that its absence is no partial read."""
+        at ``CLAIMS_TO_BAN`` checks is banned. ``silent_s``: how long each peer's record has gone unrenewed
+        (ProgressReader.silent_s); ``gone``: whether a peer's latest record expired (ProgressReader.expired), so that
+        its absence is no partial read."""
         live = self.live(records)
         voters = self.voters(live, silent_s)
         now = time.monotonic() if now is None else now
